@@ -1,0 +1,86 @@
+"""`maxmoe` command line: train (more subcommands plug in here).
+
+User mistakes (bad config, missing files) print one line and exit with code 2, before JAX
+compiles anything; a traceback means a bug in maxmoe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from maxmoe.config import ConfigError, load_config
+
+USAGE_TRAIN = """\
+Train a model. CONFIG files are YAML presets merged in order; KEY=VALUE overrides
+(dotted keys, YAML values) are applied last, e.g.
+
+  maxmoe train configs/tiny.yaml
+  maxmoe train configs/tiny.yaml train.steps=500 run.dir=runs/longer mesh.expert=4
+
+The resolved config is written to <run.dir>/config.yaml, metrics to <run.dir>/metrics.jsonl,
+checkpoints to <run.dir>/checkpoints; running the same command again resumes from the newest
+checkpoint."""
+
+
+def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
+    files = [a for a in items if "=" not in a]
+    overrides = [a for a in items if "=" in a]
+    return files, overrides
+
+
+def _prepare(items: list[str]):
+    """Loads and validates the config, then sets up devices (before any compilation)."""
+    files, overrides = _split_args(items)
+    cfg, origins = load_config(files, overrides)
+    import jax  # imported late: the fake CPU device count must be set before backends start
+
+    if cfg.mesh.cpu_devices:
+        jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+    from maxmoe.distributed import initialize
+
+    initialize()
+    from maxmoe.config import validate
+
+    sizes = validate(cfg, jax.device_count(), origins)
+    return cfg, sizes
+
+
+def cmd_train(args) -> int:
+    cfg, sizes = _prepare(args.items)
+    from maxmoe.train.loop import train
+
+    t = time.perf_counter()
+    summary = train(cfg, sizes)
+    summary["wall_time_s"] = round(time.perf_counter() - t, 1)
+    print(json.dumps(summary))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="maxmoe", description="Train Mixture-of-Experts language models with JAX.",
+        epilog="Run 'maxmoe COMMAND --help' for the options of a command.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser("train", help="train a model from YAML configs",
+                       description=USAGE_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("items", nargs="+", metavar="CONFIG_OR_KEY=VALUE")
+    p.set_defaults(run=cmd_train)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except ConfigError as e:
+        print(f"maxmoe: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("maxmoe: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,370 @@
+"""Typed, frozen configuration: one dataclass per concern, YAML presets + dotted overrides.
+
+`load_config(["a.yaml", "b.yaml"], ["train.steps=10"])` merges the files in order, then the
+overrides, checks every key and type, and returns a `Config`. Every error is a `ConfigError`
+whose one-line message names the key, the value, where it came from and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the CLI prints it as one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = ""  # run directory; empty = runs/<name of the last config file>
+    name: str = ""  # run name used in logs; empty = derived from the config file
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 2048  # must equal the tokenizer's vocabulary size
+    hidden_size: int = 128  # D
+    num_layers: int = 4  # all decoder blocks, dense and MoE
+    num_dense_layers: int = 1  # the first layers use a dense SwiGLU MLP (DeepSeek first_k_dense)
+    dense_mlp_size: int = 512  # hidden width of the dense SwiGLU MLP
+    rms_norm_eps: float = 1e-6
+    init_std: float = 0.02  # normal init std of every kernel and the embedding
+    scan_layers: bool = True  # stack layers and run them with lax.scan (flat compile time)
+    remat_policy: str = "full"  # none | full | dots (save matmul outputs)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    num_heads: int = 4  # H query heads
+    num_kv_heads: int = 2  # grouped-query attention: H must be a multiple of this
+    head_dim: int = 32
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = 8  # E routed experts
+    experts_per_token: int = 2  # K (top-k)
+    expert_mlp_size: int = 256  # F, hidden width of each routed expert
+    num_shared_experts: int = 0  # experts every token goes through (width F each)
+    normalize_top_k: bool = True  # renormalise the K router weights to sum to 1 (Mixtral)
+    aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss weight
+    z_loss_weight: float = 0.001  # router z-loss weight (ST-MoE)
+
+
+MESH_AXES = ("data", "fsdp", "pipeline", "expert", "tensor")
+
+# logical axis -> mesh axes. Params: embed, mlp, heads, kv_heads, vocab, experts, expert_mlp,
+# layers. Activations: batch, seq, act_embed, act_heads, act_mlp, act_vocab.
+DEFAULT_RULES: dict[str, list[str]] = {
+    "batch": ["data", "fsdp", "expert"],
+    "seq": [],
+    "act_embed": [],
+    "act_heads": ["tensor"],
+    "act_mlp": ["tensor"],
+    "act_vocab": ["tensor"],
+    "embed": ["fsdp"],
+    "mlp": ["tensor"],
+    "heads": ["tensor"],
+    "kv_heads": ["tensor"],
+    "head_dim": [],
+    "vocab": ["tensor"],
+    "experts": ["expert"],
+    "expert_mlp": ["tensor"],
+    "layers": [],
+}
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # pure data-parallel replicas; -1 = whatever the other axes leave
+    fsdp: int = 1  # ZeRO-3 sharding of params, grads and optimizer state
+    pipeline: int = 1  # pipeline stages (only 1 is supported so far)
+    expert: int = 1  # routed experts are split over this axis
+    tensor: int = 1  # Megatron-style heads / MLP / vocab split
+    cpu_devices: int = 0  # fake this many CPU devices when running on CPU (0 = leave as is)
+    rules: dict[str, list[str]] = field(
+        default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()})
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    learning_rate: float = 3e-3  # peak learning rate
+    warmup_steps: int = 20  # linear warmup from 0
+    decay_steps: int = 0  # cosine decay length after warmup; 0 = until train.steps
+    min_lr_ratio: float = 0.1  # final learning rate as a fraction of the peak
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # decoupled (AdamW); not applied to norms
+    grad_clip_norm: float = 1.0  # global-norm clipping; 0 = off
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    compute_dtype: str = "bfloat16"  # bfloat16 | float16 | float32 (params stay float32)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "stdlib"  # 'stdlib' (this interpreter's Python sources) or a glob of text files
+    tokenizer_dir: str = ""  # trained SentencePiece model dir; empty = cache under ~/.cache/maxmoe
+    seq_len: int = 128  # S, tokens per packed row
+    global_batch_size: int = 16  # B, rows per optimizer step across all processes
+    seed: int = 0  # shuffling seed
+    num_workers: int = 0  # grain worker processes (0 = in the main process)
+    validation_fraction: float = 0.02  # documents held out for evaluation
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    enabled: bool = True
+    every_steps: int = 50  # also saved at the last step
+    keep: int = 3  # newest checkpoints kept on disk
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200  # optimizer steps
+    grad_accum_steps: int = 1  # microbatches per optimizer step (global batch is split)
+    seed: int = 0  # parameter init seed
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every_steps: int = 10  # metrics.jsonl / progress bar update period
+    progress_bar: bool = True
+    peak_flops_per_device: float = 0.0  # for MFU; 0 = known GPU table, or measured on CPU
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _fail(key: str, value: Any, origin: str, problem: str, fix: str) -> typing.NoReturn:
+    raise ConfigError(f"config key '{key}' = {value!r} (from {origin}): {problem}; {fix}")
+
+
+def _merge(dst: dict, src: dict, origins: dict[str, str], origin: str, prefix: str = "") -> None:
+    for k, v in src.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):  # recurse so every leaf key records where it came from
+            if not isinstance(dst.get(k), dict):
+                dst[k] = {}
+            origins.setdefault(key, origin)
+            _merge(dst[k], v, origins, origin, key + ".")
+        else:
+            dst[k] = v
+            origins[key] = origin
+
+
+def _check_type(key: str, value: Any, tp: Any, origin: str) -> Any:
+    """Returns value converted to tp where that is lossless (int -> float), else fails."""
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            _fail(key, value, origin, f"expected {tp.__name__}, got {type(value).__name__}",
+                  f"write a value of type {tp.__name__}")
+        return value
+    if typing.get_origin(tp) is dict:
+        if not isinstance(value, dict) or not all(
+                isinstance(v, list) and all(isinstance(a, str) for a in v) for v in value.values()):
+            _fail(key, value, origin, "expected a mapping of logical axis -> list of mesh axes",
+                  "write e.g. {batch: [data, fsdp]}")
+        # a rules mapping overrides the default table per logical axis
+        return {**{k: list(v) for k, v in DEFAULT_RULES.items()},
+                **{k: list(v) for k, v in value.items()}}
+    raise TypeError(f"unsupported config field type {tp} at {key}")  # a bug, not a user error
+
+
+def _build(cls: type, raw: dict, origins: dict[str, str], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in raw:
+        if k not in names:
+            key = f"{prefix}{k}"
+            _fail(key, raw[k], origins.get(key, "?"), "unknown key",
+                  f"valid keys under '{prefix[:-1] or 'top level'}' are: {', '.join(sorted(names))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        key, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(raw[f.name], dict):
+                _fail(key, raw[f.name], origins.get(key, "?"), "expected a section (mapping)",
+                      f"nest its keys under '{key}:'")
+            kwargs[f.name] = _build(tp, raw[f.name], origins, key + ".")
+        else:
+            kwargs[f.name] = _check_type(key, raw[f.name], tp, origins.get(key, "?"))
+    return cls(**kwargs)
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} (from command line): expected key.sub=value; "
+                          "write e.g. train.steps=100")
+    key, raw = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_config(paths: list[str], overrides: list[str] = ()) -> tuple[Config, dict[str, str]]:
+    """Merges YAML presets then dotted overrides. Returns the config and key -> origin."""
+    raw: dict = {}
+    origins: dict[str, str] = {}
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise ConfigError(f"config file {p!r}: not found; pass the path of an existing YAML file")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p!r}: not valid YAML ({str(e).splitlines()[0]}); "
+                              "fix the syntax") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p!r}: top level must be a mapping of sections; "
+                              "write e.g. 'train:\\n  steps: 100'")
+        _merge(raw, data, origins, p)
+    for text in overrides:
+        keys, value = _parse_override(text)
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        _merge(raw, nested, origins, "command line")
+    cfg = _build(Config, raw, origins)
+    if not cfg.run.dir:
+        name = cfg.run.name or (Path(paths[-1]).stem if paths else "default")
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(Path("runs") / name)))
+    return cfg, origins
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def resolve_mesh_shape(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str, int]:
+    """Mesh axis sizes with a -1 axis filled in; fails unless the product is num_devices."""
+    sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    free = [a for a, s in sizes.items() if s == -1]
+    for a, s in sizes.items():
+        if s == 0 or s < -1:
+            _fail(f"mesh.{a}", s, origins.get(f"mesh.{a}", "defaults"), "must be >= 1 or -1 (fill)",
+                  "set a positive size")
+    if len(free) > 1:
+        _fail(f"mesh.{free[1]}", -1, origins.get(f"mesh.{free[1]}", "defaults"),
+              "only one mesh axis may be -1", "give the others explicit sizes")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if num_devices % fixed:
+            a = free[0]
+            _fail(f"mesh.{a}", -1, origins.get(f"mesh.{a}", "defaults"),
+                  f"the other axes multiply to {fixed}, which does not divide {num_devices} devices",
+                  "change the axis sizes so their product divides the device count")
+        sizes[free[0]] = num_devices // fixed
+    if math.prod(sizes.values()) != num_devices:
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
+        key = next((f"mesh.{a}" for a in MESH_AXES if f"mesh.{a}" in origins), "mesh.data")
+        _fail(key, getattr(cfg.mesh, key.split(".")[1]), origins.get(key, "defaults"),
+              f"mesh {shape} has {math.prod(sizes.values())} devices but {num_devices} are present",
+              "make the product of the mesh axes equal the device count (or set one axis to -1)")
+    return sizes
+
+
+def validate(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str, int]:
+    """Checks everything that can be checked before compiling; returns the mesh shape."""
+    o = lambda k: origins.get(k, "defaults")  # noqa: E731
+
+    def need(ok: bool, key: str, problem: str, fix: str) -> None:
+        if not ok:
+            section, name = key.split(".")
+            _fail(key, getattr(getattr(cfg, section), name), o(key), problem, fix)
+
+    m, a, e, d, t = cfg.model, cfg.attention, cfg.moe, cfg.data, cfg.train
+    for key in ("model.vocab_size", "model.hidden_size", "model.num_layers", "model.dense_mlp_size",
+                "attention.num_heads", "attention.num_kv_heads", "attention.head_dim",
+                "moe.num_experts", "moe.experts_per_token", "moe.expert_mlp_size",
+                "data.seq_len", "data.global_batch_size", "train.steps",
+                "train.grad_accum_steps", "checkpoint.every_steps", "checkpoint.keep",
+                "logging.every_steps"):
+        section, name = key.split(".")
+        need(getattr(getattr(cfg, section), name) >= 1, key, "must be >= 1", "use a positive value")
+    need(0 <= m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
+         f"must be between 0 and model.num_layers ({m.num_layers})", "lower it")
+    need(m.remat_policy in ("none", "full", "dots"), "model.remat_policy", "unknown policy",
+         "use one of: none, full, dots")
+    need(a.num_heads % a.num_kv_heads == 0, "attention.num_kv_heads",
+         f"must divide attention.num_heads ({a.num_heads})", "pick a divisor of the head count")
+    need(e.experts_per_token <= e.num_experts, "moe.experts_per_token",
+         f"top-k cannot exceed moe.num_experts ({e.num_experts})", "lower it or add experts")
+    need(e.num_shared_experts >= 0, "moe.num_shared_experts", "must be >= 0", "use 0 or more")
+    need(cfg.precision.compute_dtype in ("bfloat16", "float16", "float32"),
+         "precision.compute_dtype", "unknown dtype", "use bfloat16, float16 or float32")
+    need(0.0 <= d.validation_fraction < 1.0, "data.validation_fraction", "must be in [0, 1)",
+         "use e.g. 0.02")
+
+    sizes = resolve_mesh_shape(cfg, num_devices, origins)
+    need(sizes["pipeline"] == 1, "mesh.pipeline", "pipeline parallelism is not implemented yet",
+         "set mesh.pipeline=1")
+    rules = cfg.mesh.rules
+    for logical, axes in rules.items():
+        for ax in axes:
+            if ax not in MESH_AXES:
+                _fail(f"mesh.rules.{logical}", axes, o("mesh.rules"), f"unknown mesh axis {ax!r}",
+                      f"use axes from: {', '.join(MESH_AXES)}")
+    def shards(logical: str) -> int:
+        return math.prod(sizes[ax] for ax in rules[logical])
+
+    divisible = [
+        ("attention.num_heads", a.num_heads, "heads"),
+        ("attention.num_kv_heads", a.num_kv_heads, "kv_heads"),
+        ("moe.num_experts", e.num_experts, "experts"),
+        ("moe.expert_mlp_size", e.expert_mlp_size, "expert_mlp"),
+        ("model.dense_mlp_size", m.dense_mlp_size, "mlp"),
+        ("model.vocab_size", m.vocab_size, "vocab"),
+        ("model.hidden_size", m.hidden_size, "embed"),
+    ]
+    for key, value, logical in divisible:
+        n = shards(logical)
+        need(value % n == 0, key, f"not divisible by the {n} shards of logical axis '{logical}' "
+             f"(mesh axes {rules[logical]})", f"use a multiple of {n} or change the mesh")
+    batch_shards = shards("batch") * t.grad_accum_steps
+    need(d.global_batch_size % batch_shards == 0, "data.global_batch_size",
+         f"not divisible by batch shards x grad_accum_steps ({batch_shards})",
+         f"use a multiple of {batch_shards}")
+    return sizes

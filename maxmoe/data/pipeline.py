@@ -1,0 +1,161 @@
+"""The grain input pipeline: this process's documents -> tokens -> packed rows -> batches.
+
+    documents (this process's share) -> shuffle (seed, reshuffled each epoch) -> repeat
+    -> tokenize (lazily, in map) -> concat-then-split packing -> row features -> batch
+    -> optional worker processes
+
+Each document becomes `tokens = ids + [eos]` and `targets = ids[1:] + [eos, pad]`, computed
+*before* packing. Packing then cuts both features at the same points, so a document split
+across two rows keeps its true next token at the row end, and the eos position (whose
+successor would be another document) is the only one without a target: the loss never
+crosses a document boundary and no token pair is lost at row edges.
+
+Batch legend: b local rows (global_batch_size // process_count), S seq_len.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import grain
+import numpy as np
+
+from maxmoe.config import ConfigError, DataConfig
+from maxmoe.data.corpus import list_documents, read_document, split_documents
+from maxmoe.data.tokenizer import Tokenizer
+
+SPLITS = ("train", "validation")
+
+# Reading threads tokenize ahead of packing. Grain's defaults (16 threads, 500 documents)
+# would tokenize megabytes before the first batch on a laptop; a few dozen documents
+# ahead already keep a training step fed.
+_READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
+
+
+def batch_spec(cfg: DataConfig,
+               process_count: int = 1) -> dict[str, tuple[tuple[int, int], np.dtype]]:
+    """(shape, dtype) of each key of one local batch; for abstract shapes before data exists."""
+    shape = (local_batch_size(cfg, process_count), cfg.seq_len)
+    return {
+        "tokens": (shape, np.dtype(np.int32)),  # [b, S] packed input tokens
+        "targets": (shape, np.dtype(np.int32)),  # [b, S] next token of the same document, 0 if none
+        "segment_ids": (shape, np.dtype(np.int32)),  # [b, S] 1, 2, ... per piece, 0 = padding
+        "positions": (shape, np.dtype(np.int32)),  # [b, S] position within the piece
+        "loss_mask": (shape, np.dtype(np.float32)),  # [b, S] 1 where targets is real
+    }
+
+
+def local_batch_size(cfg: DataConfig, process_count: int) -> int:
+    if process_count < 1 or cfg.global_batch_size % process_count:
+        raise ConfigError(
+            f"config key 'data.global_batch_size' = {cfg.global_batch_size}: not divisible by "
+            f"the {process_count} processes; use a multiple of {process_count}")
+    return cfg.global_batch_size // process_count
+
+
+def documents_for(cfg: DataConfig, split: str, process_index: int = 0,
+                  process_count: int = 1) -> list[str]:
+    """The documents of `split` that process `process_index` of `process_count` reads.
+
+    Strided over the sorted list, so the shares are disjoint, cover the split, differ in
+    size by at most one document, and each mixes all folders of the corpus.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: expected one of {SPLITS}")
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+    train, validation = split_documents(list_documents(cfg.source), cfg.validation_fraction,
+                                        cfg.seed)
+    return (train if split == "train" else validation)[process_index::process_count]
+
+
+class _TokenizeDocument(grain.transforms.Map):
+    """path -> {'tokens', 'targets'} of one document, or None to skip it."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+
+    def map(self, path: str) -> dict[str, np.ndarray] | None:
+        text = read_document(path)
+        ids = self._tokenizer.encode(text) if text else []
+        if not ids:
+            # to_iter_dataset drops None elements: unreadable and empty files vanish here.
+            return None
+        count = len(ids)
+        tokens = np.empty(count + 1, np.int32)
+        tokens[:count] = ids
+        tokens[count] = self._tokenizer.eos_id
+        targets = np.full(count + 1, self._tokenizer.pad_id, np.int32)
+        # the eos position keeps pad: its successor belongs to another document
+        targets[:count] = tokens[1:]
+        return {"tokens": tokens, "targets": targets}
+
+
+class _RowFeatures(grain.transforms.Map):
+    """Renames grain's packing outputs and adds the loss mask."""
+
+    def __init__(self, pad_id: int):
+        self._pad_id = pad_id
+
+    def map(self, packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        targets = packed["targets"]
+        return {
+            "tokens": packed["tokens"],
+            "targets": targets,
+            "segment_ids": packed["tokens_segment_ids"],
+            "positions": packed["tokens_positions"],
+            # The tokenizer never emits pad, so a pad target means "no next token" (document
+            # end or row padding) and nothing else.
+            "loss_mask": (targets != self._pad_id).astype(np.float32),
+        }
+
+
+def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
+                 process_index: int = 0, process_count: int = 1,
+                 num_epochs: int | None = None) -> grain.IterDataset:
+    """This process's batches (dicts of numpy arrays, see `batch_spec`).
+
+    Train repeats `num_epochs` times (None = forever), reshuffled every epoch from
+    `cfg.seed`, and drops a last partial batch. Validation is one pass in file order whose
+    last batch is padded with empty rows (loss_mask 0) so every batch has one shape.
+    `iter(dataset)` supports get_state()/set_state() for exact resumption.
+    """
+    batch_size = local_batch_size(cfg, process_count)
+    documents = documents_for(cfg, split, process_index, process_count)
+    training = split == "train"
+    if training and not documents:
+        raise ConfigError(
+            f"config key 'data.source' = {cfg.source!r}: no training documents for process "
+            f"{process_index} of {process_count}; use a corpus with more files")
+    if not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"config key 'data.seed' = {cfg.seed}: must be in [0, 2**32); "
+                          "pick another")
+
+    dataset = grain.MapDataset.source(documents)
+    if training:
+        # shuffle-then-repeat: grain folds the epoch into the shuffle seed, so each epoch
+        # has its own order and the whole stream is a pure function of (seed, step).
+        dataset = dataset.shuffle(seed=cfg.seed).repeat(num_epochs)
+    dataset = dataset.map(_TokenizeDocument(tokenizer))
+    rows = grain.experimental.ConcatThenSplitIterDataset(
+        dataset.to_iter_dataset(_READ_OPTIONS),
+        length_struct={"tokens": cfg.seq_len, "targets": cfg.seq_len},
+    ).map(_RowFeatures(tokenizer.pad_id))
+    if training:
+        batches = rows.batch(batch_size, drop_remainder=True)
+    else:
+        batches = rows.batch(batch_size, batch_fn=functools.partial(
+            grain.experimental.batch_and_pad, batch_size=batch_size))
+    if cfg.num_workers > 0:
+        # Each worker packs its own slice of the documents; grain interleaves the workers'
+        # batches in a fixed order, so the stream stays deterministic and checkpointable
+        # (for the same num_workers).
+        batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+    return batches
+
+
+def padding_fraction(batch: dict[str, Any]) -> float:
+    """Share of positions in `batch` that hold no token (segment id 0)."""
+    segment_ids = np.asarray(batch["segment_ids"])
+    return float((segment_ids == 0).mean())

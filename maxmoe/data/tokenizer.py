@@ -1,0 +1,189 @@
+"""SentencePiece tokenizer: load a given model, or train one on the corpus once and cache it.
+
+Training settings are chosen for source code as much as prose: byte-level BPE (byte_fallback,
+so any text round-trips and nothing is <unk>), identity normalisation and no whitespace
+squeezing (indentation and newlines carry meaning in code), whitespace-only pieces (a run of
+spaces becomes one token) and single digits (numbers tokenise consistently).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import sentencepiece as spm
+
+from maxmoe.config import ConfigError, DataConfig
+from maxmoe.data.corpus import document_keys, list_documents, read_document, unit_hash
+
+MODEL_FILE = "tokenizer.model"
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+# Everything that changes the trained model goes into the cache key below; bump
+# `version` when the sampling code changes in a way these numbers do not capture.
+_TRAINER_SETTINGS = dict(
+    model_type="bpe",
+    byte_fallback=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=False,  # a leading space would not survive decode(encode(x))
+    allow_whitespace_only_pieces=True,
+    split_digits=True,
+    character_coverage=0.9995,
+    pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+)
+_SAMPLE_SETTINGS = dict(
+    version=1,
+    sample_bytes=4_000_000,  # about 0.5 s of BPE training for vocab 2048 on 2 cores
+    chunk_chars=2_000,  # training "sentences": line-aligned chunks, so newlines get merged
+    sample_seed=0,
+)
+
+
+class Tokenizer:
+    """A loaded SentencePiece model. Picklable (by path), so grain workers can rebuild it."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        self._processor = spm.SentencePieceProcessor(model_file=self.path)
+        self.vocab_size = self._processor.get_piece_size()
+        self.pad_id = self._processor.pad_id()
+        self.eos_id = self._processor.eos_id()
+        self.bos_id = self._processor.bos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._processor.encode(text)
+
+    def decode(self, ids) -> str:
+        # Control ids (pad, bos, eos) decode to nothing, so packed rows decode cleanly.
+        return self._processor.decode([int(i) for i in ids])
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def cache_root() -> Path:
+    """Where trained tokenizers are cached: $MAXMOE_CACHE or ~/.cache/maxmoe."""
+    return Path(os.environ.get("MAXMOE_CACHE") or Path.home() / ".cache" / "maxmoe")
+
+
+def load_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer:
+    """The tokenizer in cfg.tokenizer_dir, or one trained on cfg.source (cached on disk)."""
+    if cfg.tokenizer_dir:
+        path = Path(cfg.tokenizer_dir).expanduser() / MODEL_FILE
+        if not path.is_file():
+            raise ConfigError(
+                f"config key 'data.tokenizer_dir' = {cfg.tokenizer_dir!r}: no {MODEL_FILE} in it; "
+                "point it at a folder holding a SentencePiece model, or leave it empty to "
+                "train one")
+        tokenizer = Tokenizer(path)
+        if tokenizer.vocab_size != vocab_size:
+            raise ConfigError(
+                f"config key 'model.vocab_size' = {vocab_size}: the tokenizer in "
+                f"{cfg.tokenizer_dir!r} has {tokenizer.vocab_size} pieces; "
+                f"set model.vocab_size={tokenizer.vocab_size}")
+        return tokenizer
+
+    paths = list_documents(cfg.source)
+    directory = cache_root() / "tokenizers" / _cache_key(paths, vocab_size)
+    if not (directory / MODEL_FILE).is_file():
+        _train_into(directory, cfg.source, paths, vocab_size)
+    return Tokenizer(directory / MODEL_FILE)
+
+
+def _cache_key(paths: list[str], vocab_size: int) -> str:
+    # Path and size identify the corpus without reading it; mtimes are left out because a
+    # reinstall touches them without changing the text.
+    identity = {
+        "files": [(p, os.path.getsize(p)) for p in paths],
+        "vocab_size": vocab_size,
+        "trainer": _TRAINER_SETTINGS,
+        "sample": _SAMPLE_SETTINGS,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _sample_sentences(paths: list[str]) -> tuple[list[str], int]:
+    """Line-aligned chunks of a hash-ordered sample of documents, and the sample's size."""
+    keys = document_keys(paths)
+    seed = _SAMPLE_SETTINGS["sample_seed"]
+    order = sorted(range(len(paths)), key=lambda i: unit_hash(keys[i], seed))
+    chunk_chars = _SAMPLE_SETTINGS["chunk_chars"]
+    sentences: list[str] = []
+    total = 0
+    for i in order:
+        text = read_document(paths[i])
+        if not text:
+            continue
+        current = ""
+        for line in text.splitlines(keepends=True):
+            if current and len(current) + len(line) > chunk_chars:
+                sentences.append(current)
+                current = ""
+            current += line[: chunk_chars]  # a single huge line must not exceed the limit
+        if current:
+            sentences.append(current)
+        total += len(text)
+        if total >= _SAMPLE_SETTINGS["sample_bytes"]:
+            break
+    return sentences, total
+
+
+def _train_into(directory: Path, source: str, paths: list[str], vocab_size: int) -> None:
+    start = time.perf_counter()
+    sentences, sample_chars = _sample_sentences(paths)
+    if not sentences:
+        raise ConfigError(f"config key 'data.source' = {source!r}: no readable UTF-8 text in "
+                          f"{len(paths)} files; point it at text files")
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            vocab_size=vocab_size,
+            # utf-8 can take 4 bytes a character; longer sentences would be dropped silently.
+            max_sentence_length=4 * _SAMPLE_SETTINGS["chunk_chars"] + 16,
+            input_sentence_size=0,  # use every sentence: the sample above is the size cap
+            num_threads=max(1, os.cpu_count() or 1),
+            minloglevel=2,  # the trainer's own log is pages long; one line below suffices
+            **_TRAINER_SETTINGS,
+        )
+    except RuntimeError as e:
+        raise ConfigError(
+            f"config key 'model.vocab_size' = {vocab_size}: SentencePiece could not train on "
+            f"{sample_chars / 1e6:.2f} MB of {source!r} ({str(e).strip().splitlines()[-1]}); "
+            "use a smaller vocabulary or a larger corpus") from None
+
+    # Train into a private folder and rename it into place: a concurrent or interrupted run
+    # never sees a half-written model, and the first finished writer wins.
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    try:
+        (staging / MODEL_FILE).write_bytes(model.getvalue())
+        (staging / "tokenizer.json").write_text(json.dumps({
+            "source": source, "num_files": len(paths), "sample_chars": sample_chars,
+            "vocab_size": vocab_size, "trainer": _TRAINER_SETTINGS, "sample": _SAMPLE_SETTINGS,
+        }, indent=1))
+        try:
+            os.rename(staging, directory)
+        except OSError:
+            if not (directory / MODEL_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    print(f"maxmoe: trained a {vocab_size}-piece tokenizer on {sample_chars / 1e6:.1f} MB of "
+          f"{source!r} in {seconds:.1f} s -> {directory / MODEL_FILE}", file=sys.stderr)

@@ -1,0 +1,71 @@
+"""Small building blocks: params with logical axes, RMSNorm, RoPE, embedding, SwiGLU MLP.
+
+Dimension legend (all model files): B batch, S seq, D embed, H heads, G query heads per kv
+head, K experts per token, E experts, F expert mlp, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxmoe.sharding import shard
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float) -> nnx.Param:
+    """A float32 master weight, normal(0, std), tagged with its logical axes for sharding."""
+    assert len(shape) == len(axes), (shape, axes)
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("act_embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # statistics in float32 whatever the compute dtype (precision policy)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.scale[...] * y).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half rotary embedding. x [B, S, N, Dh], positions [B, S] (restart per document)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, Dh/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+        self.embedding = param(rngs, (vocab, dim), ("vocab", "embed"), std)
+        self.dtype = dtype
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        # gather from a vocab-replicated table: GSPMD cannot partition a gather over a
+        # vocab-sharded table without replicating the output (it warns and remats)
+        table = shard(self.embedding[...].astype(self.dtype), (None, "act_embed"))
+        x = jnp.take(table, tokens, axis=0)  # [B, S, D]
+        return shard(x, ("batch", "seq", "act_embed"))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, dim: int, hidden: int, *, std: float, dtype, rngs: nnx.Rngs):
+        self.gate = param(rngs, (dim, hidden), ("embed", "mlp"), std)
+        self.up = param(rngs, (dim, hidden), ("embed", "mlp"), std)
+        self.down = param(rngs, (hidden, dim), ("mlp", "embed"), std)
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        h = jax.nn.silu(x @ c(self.gate)) * (x @ c(self.up))
+        h = shard(h, ("batch", "seq", "act_mlp"))
+        return shard(h @ c(self.down), ("batch", "seq", "act_embed"))

@@ -1,0 +1,105 @@
+"""The device mesh and the one logical-axis rules table.
+
+Model code names logical axes only (`shard(x, ("batch", "seq", "act_embed"))`, params carry
+`axes=(...)` metadata); this module is the only place that knows mesh axis names. Axes are
+GSPMD-style `Auto`: XLA propagates shardings between the constraints we place, which keeps
+model code free of `out_sharding` plumbing (jax 0.10's `make_mesh` default is Explicit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from maxmoe.config import MESH_AXES
+
+_RULES: contextvars.ContextVar[dict[str, list[str]] | None] = contextvars.ContextVar("rules", default=None)
+_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
+
+
+def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axes in MESH_AXES order (data outermost, tensor innermost = fastest links)."""
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    devices = list(devices if devices is not None else jax.devices())
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
+                         f"got {len(devices)}")
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: dict[str, list[str]]) -> Iterator[Mesh]:
+    """Makes `mesh` and `rules` current for `shard`, `spec` and jit (jax.set_mesh)."""
+    t1, t2 = _RULES.set(rules), _MESH.set(mesh)
+    try:
+        with jax.set_mesh(mesh):
+            yield mesh
+    finally:
+        _RULES.reset(t1)
+        _MESH.reset(t2)
+
+
+def current_mesh() -> Mesh | None:
+    return _MESH.get()
+
+
+def spec(logical: Sequence[str | None], rules: dict[str, list[str]] | None = None) -> P:
+    """Logical axis names -> PartitionSpec. A mesh axis is used at most once per spec."""
+    rules = rules if rules is not None else (_RULES.get() or {})
+    used: set[str] = set()
+    out = []
+    for name in logical:
+        axes = [a for a in (rules.get(name, []) if name else []) if a not in used]
+        mesh = _MESH.get()
+        if mesh is not None:  # size-1 axes add nothing and keep specs readable
+            axes = [a for a in axes if mesh.shape[a] > 1]
+        used.update(axes)
+        out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    return P(*out)
+
+
+def named(logical: Sequence[str | None]) -> NamedSharding:
+    mesh = _MESH.get()
+    assert mesh is not None, "named() needs use_mesh()"
+    return NamedSharding(mesh, spec(logical))
+
+
+def shard(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Constrains an activation's sharding by logical names; identity without a mesh."""
+    if _MESH.get() is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, spec(logical))
+
+
+def param_axes(variable) -> tuple[str | None, ...]:
+    """Logical axes of a param; stacked (scanned) layers get a leading 'layers' axis."""
+    axes = tuple(variable.get_metadata().get("axes", ()))
+    extra = variable.get_value().ndim - len(axes)
+    return ("layers",) * extra + axes
+
+
+def state_shardings(state, mesh: Mesh, rules: dict[str, list[str]]):
+    """NamedSharding for every nnx.Variable in an nnx.State (params by their axes metadata)."""
+    from flax import nnx
+
+    def one(v):
+        if isinstance(v, nnx.Variable):
+            return v.replace(NamedSharding(mesh, spec(param_axes(v), rules)))
+        return NamedSharding(mesh, P())
+
+    with use_mesh(mesh, rules):
+        return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def mesh_axes(logical: str) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) a logical axis maps to under the current mesh and rules."""
+    mesh, rules = _MESH.get(), _RULES.get() or {}
+    if mesh is None:
+        return ()
+    return tuple(a for a in rules.get(logical, []) if mesh.shape[a] > 1)

@@ -1,0 +1,145 @@
+"""Checkpointer: async save/restore, iterator resume, retention, save cadence, resharding,
+crash debris and the missing-checkpoint error, on the 8 fake CPU devices from conftest."""
+
+import shutil
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from maxmoe.config import CheckpointConfig
+from maxmoe.train.checkpoint import Checkpointer, abstract_like
+
+AUTO = jax.sharding.AxisType.Auto
+
+
+def mesh(shape):
+    return jax.make_mesh(shape, ("a", "b"), axis_types=(AUTO, AUTO))
+
+
+def make_state(m):
+    kernel = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16) / 7.0
+    return {
+        "params": {"dense": {"kernel": jax.device_put(kernel, NamedSharding(m, P("a", "b"))),
+                             "bias": jax.device_put(jnp.ones(16), NamedSharding(m, P("b")))}},
+        "opt": {"mu": jax.device_put(kernel.astype(jnp.bfloat16), NamedSharding(m, P(None, "b")))},
+        "step": jax.device_put(jnp.int32(7), NamedSharding(m, P())),
+    }
+
+
+def make_iterator():
+    return iter(grain.MapDataset.range(100).shuffle(seed=1).to_iter_dataset().batch(4))
+
+
+def assert_same(restored, expected):
+    assert jax.tree.structure(restored) == jax.tree.structure(expected)
+    for r, e in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+        assert r.dtype == e.dtype and r.shape == e.shape
+        np.testing.assert_array_equal(np.asarray(r), np.asarray(e))
+
+
+def test_async_save_restores_state_and_iterator(tmp_path):
+    state, it = make_state(mesh((2, 4))), make_iterator()
+    for _ in range(3):
+        next(it)
+    values, abstract = jax.tree.map(np.asarray, state), abstract_like(state)
+    ckpt = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=10, async_save=True))
+    assert ckpt.save(10, state, it)
+    # The train loop donates the state and advances the iterator right after save():
+    # neither may change what is written (arrays reach host memory, and the iterator
+    # position is read, before save() returns).
+    jax.tree.map(lambda x: x.delete(), state)
+    expected = [next(it) for _ in range(3)]
+    ckpt.wait()
+    assert ckpt.latest_step() == 10
+    ckpt.close()
+
+    ckpt = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=10))
+    assert_same(ckpt.restore(abstract)[0], values)  # the iterator is optional on restore
+    fresh = make_iterator()
+    restored, step = ckpt.restore(abstract, fresh)
+    ckpt.close()
+    assert step == 10
+    assert_same(restored, values)
+    for r, a in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)):
+        assert r.sharding == a.sharding
+    for e in expected:
+        np.testing.assert_array_equal(next(fresh), e)
+
+
+def test_keeps_only_newest(tmp_path):
+    state = make_state(mesh((2, 4)))
+    with Checkpointer(tmp_path, CheckpointConfig(every_steps=1, keep=2, async_save=False)) as ckpt:
+        for step in range(1, 5):
+            assert ckpt.save(step, state)
+        ckpt.wait()
+        assert ckpt.all_steps() == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3", "4"]
+
+
+def test_saves_only_multiples_unless_forced(tmp_path):
+    state = make_state(mesh((2, 4)))
+    with Checkpointer(tmp_path, CheckpointConfig(every_steps=5)) as ckpt:
+        assert not ckpt.save(3, state)  # first call too: Orbax's InitialSavePolicy is off
+        assert ckpt.save(5, state)
+        assert not ckpt.save(7, state)
+        assert ckpt.save(7, state, force=True)  # e.g. the last step
+        assert not ckpt.save(7, state, force=True)  # exists: skipped, not an error
+        assert ckpt.save(10, state)
+        ckpt.wait()
+        assert ckpt.all_steps() == [5, 7, 10]
+    with Checkpointer(tmp_path / "off", CheckpointConfig(every_steps=1, enabled=False)) as ckpt:
+        assert not ckpt.save(1, state, force=True)
+
+
+def test_restore_reshards_onto_another_mesh(tmp_path):
+    state = make_state(mesh((2, 4)))
+    with Checkpointer(tmp_path, CheckpointConfig(every_steps=1)) as ckpt:
+        ckpt.save(1, state)  # no wait(): restore must wait for the in-flight save itself
+        m42 = mesh((4, 2))
+        target = jax.tree.map(lambda x: NamedSharding(m42, x.sharding.spec), state)
+        # eval_shape output has no shardings of its own: they come from `target`.
+        shapes = jax.eval_shape(lambda: state)
+        restored, _ = ckpt.restore(abstract_like(shapes, target))
+        assert_same(restored, state)
+        for r, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+            assert r.sharding == t
+        one = SingleDeviceSharding(jax.devices()[3])
+        restored, _ = ckpt.restore(abstract_like(state, one))
+        assert_same(restored, state)
+        assert all(r.sharding == one for r in jax.tree.leaves(restored))
+
+
+def test_crash_debris_is_ignored_and_removed(tmp_path):
+    state = make_state(mesh((2, 4)))
+    with Checkpointer(tmp_path, CheckpointConfig(every_steps=10)) as ckpt:
+        ckpt.save(10, state)
+    # What kill -9 mid-save leaves: a newer step still under its temporary name.
+    shutil.copytree(tmp_path / "10", tmp_path / "20.orbax-checkpoint-tmp-1712345678")
+    (tmp_path / "30.orbax-checkpoint-tmp").mkdir()
+    with Checkpointer(tmp_path, CheckpointConfig(every_steps=10)) as ckpt:
+        assert ckpt.latest_step() == 10
+        restored, step = ckpt.restore(abstract_like(state))
+        assert step == 10
+        assert_same(restored, state)
+        assert ckpt.save(20, state)  # the step the crash interrupted saves cleanly
+        ckpt.wait()
+        assert ckpt.all_steps() == [10, 20]
+    assert not [p for p in tmp_path.iterdir() if "tmp" in p.name]
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    state = make_state(mesh((2, 4)))
+    with Checkpointer(tmp_path / "empty", CheckpointConfig()) as ckpt:
+        assert ckpt.latest_step() is None
+        with pytest.raises(FileNotFoundError, match="no committed checkpoint in .*available steps: none"):
+            ckpt.restore(abstract_like(state))
+    with Checkpointer(tmp_path / "some", CheckpointConfig(every_steps=1)) as ckpt:
+        ckpt.save(1, state)
+        with pytest.raises(FileNotFoundError, match=r"step 2 .*available steps: \[1\]"):
+            ckpt.restore(abstract_like(state), step=2)
+        with pytest.raises(ValueError, match="no data iterator state"):
+            ckpt.restore(abstract_like(state), make_iterator())
