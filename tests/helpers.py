@@ -1,0 +1,60 @@
+"""Shared test fixtures: a small config, random packed batches, loss and grads on a mesh."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from maxmoe.config import load_config, validate
+from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
+from maxmoe.train.step import build_model
+
+SMALL = [
+    "model.vocab_size=256", "model.hidden_size=64", "model.num_layers=3", "model.num_dense_layers=1",
+    "model.dense_mlp_size=128", "attention.num_heads=4", "attention.num_kv_heads=2",
+    "attention.head_dim=16", "moe.num_experts=8", "moe.experts_per_token=2",
+    "moe.expert_mlp_size=32", "moe.num_shared_experts=1", "data.seq_len=32",
+    "data.global_batch_size=16", "precision.compute_dtype=float32", "mesh.data=-1",
+]
+
+
+def small_config(*overrides: str):
+    cfg, origins = load_config([], SMALL + list(overrides))
+    return cfg, origins
+
+
+def random_batch(cfg, seed: int = 0, docs_per_row: int = 3) -> dict[str, np.ndarray]:
+    """Rows of several packed documents of random lengths, with a padded tail."""
+    rng = np.random.default_rng(seed)
+    b, s = cfg.data.global_batch_size, cfg.data.seq_len
+    segment_ids = np.zeros((b, s), np.int32)
+    positions = np.zeros((b, s), np.int32)
+    for r in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, s - 2), docs_per_row - 1, replace=False))
+        bounds = [0, *cuts, s - 2]  # the last two tokens are padding
+        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            segment_ids[r, lo:hi] = i + 1
+            positions[r, lo:hi] = np.arange(hi - lo)
+    tokens = rng.integers(1, cfg.model.vocab_size, (b, s)).astype(np.int32)
+    targets = np.where(segment_ids > 0, rng.integers(1, cfg.model.vocab_size, (b, s)), 0)
+    return dict(tokens=tokens, targets=targets.astype(np.int32), segment_ids=segment_ids,
+                positions=positions, loss_mask=(segment_ids > 0).astype(np.float32))
+
+
+def loss_and_grads(cfg, origins, batch, num_devices: int):
+    """First-step loss, metrics and gradients on a mesh over the first num_devices devices."""
+    sizes = validate(cfg, num_devices, origins)
+    mesh = make_mesh(sizes, jax.devices()[:num_devices])
+    graphdef, variables = nnx.split(build_model(cfg, cfg.train.seed))
+    params = nnx.to_pure_dict(variables)
+    shardings = nnx.to_pure_dict(state_shardings(variables, mesh, cfg.mesh.rules))
+
+    def loss_fn(p, b):
+        return nnx.merge(graphdef, p).loss(b)
+
+    with use_mesh(mesh, cfg.mesh.rules):
+        params = jax.device_put(params, shardings)
+        batch = jax.device_put(batch, named(("batch", "seq")))
+        (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch)
+    return jax.device_get((loss, metrics, grads))

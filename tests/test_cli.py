@@ -1,0 +1,51 @@
+"""The command line as a user runs it: help, one-line errors with exit code 2, no traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from maxmoe.cli import main
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "maxmoe.cli", *args], capture_output=True,
+                          text=True, cwd=cwd, timeout=300)
+
+
+def test_help_lists_train():
+    out = run_cli("--help")
+    assert out.returncode == 0 and "train" in out.stdout
+    out = run_cli("train", "--help")
+    assert out.returncode == 0 and "KEY=VALUE" in out.stdout and "resumes" in out.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["configs/tiny.yaml", "moe.experts_per_token=9"],
+     "config key 'moe.experts_per_token' = 9 (from command line): top-k cannot exceed"),
+    (["configs/tiny.yaml", "mesh.data=4"], "config key 'mesh.data' = 4 (from command line)"),
+    (["configs/tiny.yaml", "model.hidden_sise=4"], "config key 'model.hidden_sise'"),
+    (["configs/tiny.yaml", "train.steps=many"], "expected int, got str"),
+    (["configs/nope.yaml"], "config file 'configs/nope.yaml': not found"),
+    (["configs/tiny.yaml", "attention.num_kv_heads=3"], "must divide attention.num_heads"),
+])
+def test_bad_input_is_one_line_exit_2(args, expected):
+    out = run_cli("train", *args)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("maxmoe: error: "), out.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_error_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("moe:\n  num_experts: 6\nmesh:\n  data: 1\n  expert: 4\n")
+    assert main(["train", "configs/tiny.yaml", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"config key 'moe.num_experts' = 6 (from {bad})" in err, err
+
+
+def test_bare_command_prints_usage():
+    out = run_cli()
+    assert out.returncode == 2 and "usage" in out.stdout
