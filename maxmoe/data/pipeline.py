@@ -4,6 +4,10 @@
     -> tokenize (lazily, in map) -> concat-then-split packing -> row features -> batch
     -> optional worker processes
 
+`data.source` is raw text (files are documents, tokenized here) or a folder written by
+`maxmoe data prepare` (ArrayRecord records are documents, already tokenized); `data.mixture`
+mixes several prepared folders by token share (records.py).
+
 Each document becomes `tokens = ids + [eos]` and `targets = ids[1:] + [eos, pad]`, computed
 *before* packing. Packing then cuts both features at the same points, so a document split
 across two rows keeps its true next token at the row end, and the eos position (whose
@@ -22,7 +26,9 @@ import grain
 import numpy as np
 
 from maxmoe.config import ConfigError, DataConfig
+from maxmoe.data import records
 from maxmoe.data.corpus import list_documents, read_document, split_documents
+from maxmoe.data.shards import decode_record
 from maxmoe.data.tokenizer import Tokenizer
 
 SPLITS = ("train", "validation")
@@ -78,18 +84,33 @@ class _TokenizeDocument(grain.transforms.Map):
 
     def map(self, path: str) -> dict[str, np.ndarray] | None:
         text = read_document(path)
-        ids = self._tokenizer.encode(text) if text else []
-        if not ids:
-            # to_iter_dataset drops None elements: unreadable and empty files vanish here.
-            return None
-        count = len(ids)
-        tokens = np.empty(count + 1, np.int32)
-        tokens[:count] = ids
-        tokens[count] = self._tokenizer.eos_id
-        targets = np.full(count + 1, self._tokenizer.pad_id, np.int32)
-        # the eos position keeps pad: its successor belongs to another document
-        targets[:count] = tokens[1:]
-        return {"tokens": tokens, "targets": targets}
+        return _document_features(self._tokenizer.encode(text) if text else [],
+                                  self._tokenizer)
+
+
+class _RecordDocument(grain.transforms.Map):
+    """Token-id record of a prepared dataset -> {'tokens', 'targets'}, or None if empty."""
+
+    def __init__(self, tokenizer: Tokenizer, dtype: np.dtype):
+        self._tokenizer = tokenizer
+        self._dtype = dtype
+
+    def map(self, record: bytes) -> dict[str, np.ndarray] | None:
+        return _document_features(decode_record(record, self._dtype), self._tokenizer)
+
+
+def _document_features(ids, tokenizer: Tokenizer) -> dict[str, np.ndarray] | None:
+    if not len(ids):
+        # to_iter_dataset drops None elements: unreadable and empty documents vanish here.
+        return None
+    count = len(ids)
+    tokens = np.empty(count + 1, np.int32)
+    tokens[:count] = ids
+    tokens[count] = tokenizer.eos_id
+    targets = np.full(count + 1, tokenizer.pad_id, np.int32)
+    # the eos position keeps pad: its successor belongs to another document
+    targets[:count] = tokens[1:]
+    return {"tokens": tokens, "targets": targets}
 
 
 class _RowFeatures(grain.transforms.Map):
@@ -122,22 +143,27 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
     `iter(dataset)` supports get_state()/set_state() for exact resumption.
     """
     batch_size = local_batch_size(cfg, process_count)
-    documents = documents_for(cfg, split, process_index, process_count)
     training = split == "train"
-    if training and not documents:
-        raise ConfigError(
-            f"config key 'data.source' = {cfg.source!r}: no training documents for process "
-            f"{process_index} of {process_count}; use a corpus with more files")
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"config key 'data.seed' = {cfg.seed}: must be in [0, 2**32); "
                           "pick another")
-
-    dataset = grain.MapDataset.source(documents)
-    if training:
-        # shuffle-then-repeat: grain folds the epoch into the shuffle seed, so each epoch
-        # has its own order and the whole stream is a pure function of (seed, step).
-        dataset = dataset.shuffle(seed=cfg.seed).repeat(num_epochs)
-    dataset = dataset.map(_TokenizeDocument(tokenizer))
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: expected one of {SPLITS}")
+    if records.uses_prepared_data(cfg):
+        dataset = _prepared_documents(cfg, tokenizer, split, process_index, process_count,
+                                      num_epochs)
+    else:
+        documents = documents_for(cfg, split, process_index, process_count)
+        if training and not documents:
+            raise ConfigError(
+                f"config key 'data.source' = {cfg.source!r}: no training documents for process "
+                f"{process_index} of {process_count}; use a corpus with more files")
+        dataset = grain.MapDataset.source(documents)
+        if training:
+            # shuffle-then-repeat: grain folds the epoch into the shuffle seed, so each epoch
+            # has its own order and the whole stream is a pure function of (seed, step).
+            dataset = dataset.shuffle(seed=cfg.seed).repeat(num_epochs)
+        dataset = dataset.map(_TokenizeDocument(tokenizer))
     rows = grain.experimental.ConcatThenSplitIterDataset(
         dataset.to_iter_dataset(_READ_OPTIONS),
         length_struct={"tokens": cfg.seq_len, "targets": cfg.seq_len},
@@ -151,8 +177,39 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
         # Each worker packs its own slice of the documents; grain interleaves the workers'
         # batches in a fixed order, so the stream stays deterministic and checkpointable
         # (for the same num_workers).
-        batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.num_workers))
+        batches = batches.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=cfg.num_workers, per_worker_buffer_size=cfg.prefetch_batches))
     return batches
+
+
+def _prepared_documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, process_index: int,
+                        process_count: int, num_epochs: int | None) -> grain.MapDataset:
+    """Documents ({'tokens', 'targets'} or None) of the prepared dataset(s) in cfg.
+
+    Training shuffles and repeats each dataset on its own, then mixes them with weights that
+    give each its share of tokens; validation is one pass over each dataset in turn.
+    """
+    weights = records.mixture(cfg)
+    key = "data.mixture" if cfg.mixture.strip() else "data.source"
+    datasets = [records.PreparedDataset(path, tokenizer, key) for path in weights]
+    parts = []
+    for index, dataset in enumerate(datasets):
+        documents = dataset.documents(split, process_index, process_count)
+        if split == "train":
+            if not len(documents):
+                raise ConfigError(
+                    f"config key '{key}': {dataset.path!r} has no training documents for "
+                    f"process {process_index} of {process_count}; prepare more data")
+            # each dataset gets its own shuffle seed, so equal-sized datasets do not move
+            # in lockstep
+            documents = documents.shuffle(seed=(cfg.seed + index) % 2**32).repeat(num_epochs)
+        parts.append(documents.map(_RecordDocument(tokenizer, dataset.dtype)))
+    if len(parts) == 1:
+        return parts[0]
+    if split == "train":
+        return grain.MapDataset.mix(parts, records.document_weights(datasets,
+                                                                    list(weights.values())))
+    return grain.MapDataset.concatenate(parts)
 
 
 def padding_fraction(batch: dict[str, Any]) -> float:

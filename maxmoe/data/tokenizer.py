@@ -22,6 +22,7 @@ import sentencepiece as spm
 
 from maxmoe.config import ConfigError, DataConfig
 from maxmoe.data.corpus import document_keys, list_documents, read_document, unit_hash
+from maxmoe.data.shards import TOKENIZER_DIR, is_prepared
 
 MODEL_FILE = "tokenizer.model"
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -81,19 +82,21 @@ def cache_root() -> Path:
 
 
 def load_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer:
-    """The tokenizer in cfg.tokenizer_dir, or one trained on cfg.source (cached on disk)."""
-    if cfg.tokenizer_dir:
-        path = Path(cfg.tokenizer_dir).expanduser() / MODEL_FILE
+    """The tokenizer in cfg.tokenizer_dir, or the one a prepared dataset was tokenized with,
+    or one trained on cfg.source (cached on disk)."""
+    directory = cfg.tokenizer_dir or _prepared_tokenizer_dir(cfg)
+    if directory:
+        path = Path(directory).expanduser() / MODEL_FILE
         if not path.is_file():
             raise ConfigError(
-                f"config key 'data.tokenizer_dir' = {cfg.tokenizer_dir!r}: no {MODEL_FILE} in it; "
-                "point it at a folder holding a SentencePiece model, or leave it empty to "
-                "train one")
+                f"config key 'data.tokenizer_dir' = {cfg.tokenizer_dir!r}: no {MODEL_FILE} in "
+                f"{directory!r}; point it at a folder holding a SentencePiece model, or leave "
+                "it empty to train one")
         tokenizer = Tokenizer(path)
         if tokenizer.vocab_size != vocab_size:
             raise ConfigError(
                 f"config key 'model.vocab_size' = {vocab_size}: the tokenizer in "
-                f"{cfg.tokenizer_dir!r} has {tokenizer.vocab_size} pieces; "
+                f"{directory!r} has {tokenizer.vocab_size} pieces; "
                 f"set model.vocab_size={tokenizer.vocab_size}")
         return tokenizer
 
@@ -102,6 +105,16 @@ def load_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer:
     if not (directory / MODEL_FILE).is_file():
         _train_into(directory, cfg.source, paths, vocab_size)
     return Tokenizer(directory / MODEL_FILE)
+
+
+def _prepared_tokenizer_dir(cfg: DataConfig) -> str:
+    """The tokenizer folder inside the (first) prepared dataset of cfg, or ''."""
+    try:
+        first = next(iter(cfg.mixture_weights()))
+    except ValueError as e:
+        raise ConfigError(f"config key 'data.mixture' = {cfg.mixture!r}: {e}; write e.g. "
+                          "'data/web:0.7,data/code:0.3'") from None
+    return os.path.join(first, TOKENIZER_DIR) if is_prepared(first) else ""
 
 
 def _cache_key(paths: list[str], vocab_size: int) -> str:
@@ -121,33 +134,40 @@ def _sample_sentences(paths: list[str]) -> tuple[list[str], int]:
     keys = document_keys(paths)
     seed = _SAMPLE_SETTINGS["sample_seed"]
     order = sorted(range(len(paths)), key=lambda i: unit_hash(keys[i], seed))
-    chunk_chars = _SAMPLE_SETTINGS["chunk_chars"]
     sentences: list[str] = []
     total = 0
     for i in order:
         text = read_document(paths[i])
         if not text:
             continue
-        current = ""
-        for line in text.splitlines(keepends=True):
-            if current and len(current) + len(line) > chunk_chars:
-                sentences.append(current)
-                current = ""
-            current += line[: chunk_chars]  # a single huge line must not exceed the limit
-        if current:
-            sentences.append(current)
+        sentences.extend(sentence_chunks(text))
         total += len(text)
         if total >= _SAMPLE_SETTINGS["sample_bytes"]:
             break
     return sentences, total
 
 
-def _train_into(directory: Path, source: str, paths: list[str], vocab_size: int) -> None:
-    start = time.perf_counter()
-    sentences, sample_chars = _sample_sentences(paths)
-    if not sentences:
-        raise ConfigError(f"config key 'data.source' = {source!r}: no readable UTF-8 text in "
-                          f"{len(paths)} files; point it at text files")
+def sentence_chunks(text: str) -> list[str]:
+    """Line-aligned chunks of at most chunk_chars characters: the trainer's "sentences"."""
+    chunk_chars = _SAMPLE_SETTINGS["chunk_chars"]
+    chunks: list[str] = []
+    current = ""
+    for line in text.splitlines(keepends=True):
+        if current and len(current) + len(line) > chunk_chars:
+            chunks.append(current)
+            current = ""
+        current += line[: chunk_chars]  # a single huge line must not exceed the limit
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def train_model(sentences: list[str], vocab_size: int, *, problem_key: str, sample: str,
+                model_type: str = "bpe") -> bytes:
+    """The serialized SentencePiece model trained on `sentences` with the settings above.
+
+    `problem_key` and `sample` name the setting and the data in the one-line error.
+    """
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -159,20 +179,31 @@ def _train_into(directory: Path, source: str, paths: list[str], vocab_size: int)
             input_sentence_size=0,  # use every sentence: the sample above is the size cap
             num_threads=max(1, os.cpu_count() or 1),
             minloglevel=2,  # the trainer's own log is pages long; one line below suffices
-            **_TRAINER_SETTINGS,
+            **{**_TRAINER_SETTINGS, "model_type": model_type},
         )
     except RuntimeError as e:
         raise ConfigError(
-            f"config key 'model.vocab_size' = {vocab_size}: SentencePiece could not train on "
-            f"{sample_chars / 1e6:.2f} MB of {source!r} ({str(e).strip().splitlines()[-1]}); "
-            "use a smaller vocabulary or a larger corpus") from None
+            f"{problem_key}: SentencePiece could not train on {sample} "
+            f"({str(e).strip().splitlines()[-1]}); use a smaller vocabulary or a larger "
+            "corpus") from None
+    return model.getvalue()
+
+
+def _train_into(directory: Path, source: str, paths: list[str], vocab_size: int) -> None:
+    start = time.perf_counter()
+    sentences, sample_chars = _sample_sentences(paths)
+    if not sentences:
+        raise ConfigError(f"config key 'data.source' = {source!r}: no readable UTF-8 text in "
+                          f"{len(paths)} files; point it at text files")
+    model = train_model(sentences, vocab_size, problem_key=f"config key 'model.vocab_size' = "
+                        f"{vocab_size}", sample=f"{sample_chars / 1e6:.2f} MB of {source!r}")
 
     # Train into a private folder and rename it into place: a concurrent or interrupted run
     # never sees a half-written model, and the first finished writer wins.
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     try:
-        (staging / MODEL_FILE).write_bytes(model.getvalue())
+        (staging / MODEL_FILE).write_bytes(model)
         (staging / "tokenizer.json").write_text(json.dumps({
             "source": source, "num_files": len(paths), "sample_chars": sample_chars,
             "vocab_size": vocab_size, "trainer": _TRAINER_SETTINGS, "sample": _SAMPLE_SETTINGS,
