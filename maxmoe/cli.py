@@ -7,11 +7,17 @@ compiles anything; a traceback means a bug in maxmoe.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 
 from maxmoe.config import ConfigError, load_config
+
+# modules with add_parser(subparsers) -> registers a subcommand whose default `run(args)`
+# returns an exit code; keep their imports of JAX inside `run` so --help stays fast
+SUBCOMMAND_MODULES: list[str] = ["maxmoe.data.cli", "maxmoe.bench", "maxmoe.convert.command",
+                                 "maxmoe.convert.forward"]
 
 USAGE_TRAIN = """\
 Train a model. CONFIG files are YAML presets merged in order; KEY=VALUE overrides
@@ -31,14 +37,17 @@ def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
     return files, overrides
 
 
-def _prepare(items: list[str]):
+def prepare(items: list[str]):
     """Loads and validates the config, then sets up devices (before any compilation)."""
     files, overrides = _split_args(items)
     cfg, origins = load_config(files, overrides)
     import jax  # imported late: the fake CPU device count must be set before backends start
 
     if cfg.mesh.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+        try:
+            jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+        except RuntimeError:  # backend already started (e.g. embedded use): keep its devices
+            pass
     from maxmoe.distributed import initialize
 
     initialize()
@@ -49,7 +58,7 @@ def _prepare(items: list[str]):
 
 
 def cmd_train(args) -> int:
-    cfg, sizes = _prepare(args.items)
+    cfg, sizes = prepare(args.items)
     from maxmoe.train.loop import train
 
     t = time.perf_counter()
@@ -68,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                        description=USAGE_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="+", metavar="CONFIG_OR_KEY=VALUE")
     p.set_defaults(run=cmd_train)
+    # other subcommands live with their concern; each module adds its own parser
+    for module in SUBCOMMAND_MODULES:
+        importlib.import_module(module).add_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -39,14 +39,34 @@ class ModelConfig:
     init_std: float = 0.02  # normal init std of every kernel and the embedding
     scan_layers: bool = True  # stack layers and run them with lax.scan (flat compile time)
     remat_policy: str = "full"  # none | full | dots (save matmul outputs)
+    moe_layer_step: int = 1  # layer i is MoE only if (i + 1) % step == 0 (Qwen3 decoder_sparse_step)
+    dense_layer_indices: list[int] = field(default_factory=list)  # also dense (Qwen3 mlp_only_layers)
+    mtp_depth: int = 0  # multi-token prediction depths D after the trunk (DeepSeek-V3: 1); 0 = off
+    mtp_loss_weight: float = 0.3  # lambda: the loss adds lambda / D * sum of the D depth losses
 
 
 @dataclass(frozen=True)
 class AttentionConfig:
     num_heads: int = 4  # H query heads
     num_kv_heads: int = 2  # grouped-query attention: H must be a multiple of this
-    head_dim: int = 32
+    head_dim: int = 32  # gqa only; mla head sizes are the qk_*/v_head_dim fields
     rope_theta: float = 10000.0
+    kind: str = "gqa"  # gqa (Mixtral, Qwen3) | mla (DeepSeek multi-head latent attention)
+    qk_norm: bool = False  # gqa: RMSNorm over head_dim of every q and k head before RoPE (Qwen3)
+    q_lora_rank: int = 0  # mla: rank of the low-rank query path; 0 = one full-rank q projection
+    kv_lora_rank: int = 512  # mla: width of the compressed key/value latent
+    qk_nope_head_dim: int = 128  # mla: per-head query/key dims without RoPE
+    qk_rope_head_dim: int = 64  # mla: per-head query dims with RoPE (one RoPE key head is shared)
+    v_head_dim: int = 128  # mla: per-head value dims
+    rope_interleave: bool = False  # rotate pairs (2i, 2i+1), not (i, i + d/2) (DeepSeek hub weights)
+    rope_scaling: str = "none"  # none | yarn (context extension)
+    rope_factor: float = 1.0  # yarn: context extension factor
+    rope_original_max_positions: int = 4096  # yarn: pretraining context length
+    rope_beta_fast: float = 32.0  # yarn: rotations above which frequencies are kept
+    rope_beta_slow: float = 1.0  # yarn: rotations below which frequencies are interpolated
+    rope_truncate: bool = True  # yarn: floor/ceil the correction range (HF default)
+    rope_mscale: float = 0.0  # yarn: cos/sin scale mscale(factor, this)/mscale(factor, all_dim); 0 = unset
+    rope_mscale_all_dim: float = 0.0  # yarn: as above; mla also scales softmax by mscale(factor, this)^2
 
 
 @dataclass(frozen=True)
@@ -58,6 +78,17 @@ class MoEConfig:
     normalize_top_k: bool = True  # renormalise the K router weights to sum to 1 (Mixtral)
     aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss weight
     z_loss_weight: float = 0.001  # router z-loss weight (ST-MoE)
+    dispatch: str = "dropless"  # dropless (sort + grouped matmul) | capacity (slots, may drop)
+    capacity_factor: float = 1.25  # capacity: slots per expert = factor * local tokens * K / E
+    drop_policy: str = "position"  # capacity: drop overflow by position | probability (lowest)
+    grouped_matmul: str = "auto"  # dropless: ragged_dot | blocked | auto (blocked on CPU)
+    block_size: int = 64  # dropless blocked: rows per block (each expert padded to whole blocks)
+    router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3, with a selection bias)
+    num_groups: int = 1  # experts form this many contiguous groups (DeepSeek n_group)
+    groups_per_token: int = 1  # a token picks experts from its best groups only (DeepSeek topk_group)
+    routed_scaling_factor: float = 1.0  # multiplies the routed weights (DeepSeek-V3: 2.5)
+    bias_update_speed: float = 0.0  # aux-loss-free balancing: bias += speed * sign(mean - load) per step
+    sequence_balance_loss_weight: float = 0.0  # alpha of DeepSeek-V3's per-sequence balance loss
 
 
 MESH_AXES = ("data", "fsdp", "pipeline", "expert", "tensor")
@@ -80,6 +111,8 @@ DEFAULT_RULES: dict[str, list[str]] = {
     "experts": ["expert"],
     "expert_mlp": ["tensor"],
     "layers": [],
+    "q_lora": [],
+    "kv_lora": [],
 }
 
 
@@ -115,13 +148,37 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "stdlib"  # 'stdlib' (this interpreter's Python sources) or a glob of text files
+    source: str = "stdlib"  # 'stdlib' (this interpreter's Python sources), a glob of text files
+    # or a folder written by `maxmoe data prepare`
     tokenizer_dir: str = ""  # trained SentencePiece model dir; empty = cache under ~/.cache/maxmoe
     seq_len: int = 128  # S, tokens per packed row
     global_batch_size: int = 16  # B, rows per optimizer step across all processes
     seed: int = 0  # shuffling seed
     num_workers: int = 0  # grain worker processes (0 = in the main process)
-    validation_fraction: float = 0.02  # documents held out for evaluation
+    streams: int = 16  # train rows interleave this many packed document streams (1 = one stream)
+    prefetch_batches: int = 4  # batches each worker process keeps ready ahead of the step
+    validation_fraction: float = 0.02  # documents held out for evaluation (raw sources only)
+    # weighted prepared datasets 'DIR:WEIGHT,DIR:WEIGHT' (weights = token shares); empty =
+    # `source` alone. `source` may itself be a folder written by `maxmoe data prepare`.
+    mixture: str = ""
+
+    def mixture_weights(self) -> dict[str, float]:
+        """{dataset: weight}, weights summing to 1; {source: 1.0} without a mixture."""
+        if not self.mixture.strip():
+            return {self.source: 1.0}
+        weights: dict[str, float] = {}
+        for item in self.mixture.split(","):
+            path, colon, weight = item.strip().rpartition(":")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = -1.0
+            if not colon or not path or not value > 0 or path in weights:
+                raise ValueError(f"entry {item.strip()!r} is not DIR:WEIGHT with a new DIR "
+                                 "and a weight > 0")
+            weights[path] = value
+        total = sum(weights.values())
+        return {path: value / total for path, value in weights.items()}
 
 
 @dataclass(frozen=True)
@@ -195,6 +252,10 @@ def _check_type(key: str, value: Any, tp: Any, origin: str) -> Any:
             _fail(key, value, origin, f"expected {tp.__name__}, got {type(value).__name__}",
                   f"write a value of type {tp.__name__}")
         return value
+    if typing.get_origin(tp) is list:
+        if not isinstance(value, list) or not all(type(v) is int for v in value):
+            _fail(key, value, origin, "expected a list of integers", "write e.g. [0, 5]")
+        return list(value)
     if typing.get_origin(tp) is dict:
         if not isinstance(value, dict) or not all(
                 isinstance(v, list) and all(isinstance(a, str) for a in v) for v in value.values()):
@@ -333,10 +394,63 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str
     need(e.experts_per_token <= e.num_experts, "moe.experts_per_token",
          f"top-k cannot exceed moe.num_experts ({e.num_experts})", "lower it or add experts")
     need(e.num_shared_experts >= 0, "moe.num_shared_experts", "must be >= 0", "use 0 or more")
+    need(e.dispatch in ("dropless", "capacity"), "moe.dispatch", "unknown dispatch",
+         "use dropless or capacity")
+    need(e.capacity_factor > 0, "moe.capacity_factor", "must be > 0", "use e.g. 1.25")
+    need(e.grouped_matmul in ("auto", "ragged_dot", "blocked"), "moe.grouped_matmul",
+         "unknown grouped matmul", "use auto, ragged_dot or blocked")
+    need(e.block_size >= 1, "moe.block_size", "must be >= 1", "use e.g. 64")
+    need(e.drop_policy in ("position", "probability"), "moe.drop_policy", "unknown policy",
+         "use position or probability")
+    need(m.moe_layer_step >= 1, "model.moe_layer_step", "must be >= 1", "use 1 (every layer MoE)")
+    need(all(0 <= i < m.num_layers for i in m.dense_layer_indices), "model.dense_layer_indices",
+         f"every index must be in [0, model.num_layers) = [0, {m.num_layers})", "drop the others")
+    need(m.mtp_depth >= 0, "model.mtp_depth", "must be >= 0", "use 0 (off) or 1 (DeepSeek-V3)")
+    need(a.kind in ("gqa", "mla"), "attention.kind", "unknown attention", "use gqa or mla")
+    if a.kind == "mla":
+        for key in ("attention.kv_lora_rank", "attention.qk_nope_head_dim",
+                    "attention.qk_rope_head_dim", "attention.v_head_dim"):
+            need(getattr(a, key.split(".")[1]) >= 1, key, "must be >= 1 for mla",
+                 "use a positive value")
+        need(a.qk_rope_head_dim % 2 == 0, "attention.qk_rope_head_dim", "RoPE needs an even size",
+             "use an even value")
+        need(a.q_lora_rank >= 0, "attention.q_lora_rank", "must be >= 0", "use 0 (no low-rank q)")
+    need(a.kind == "gqa" or not a.qk_norm, "attention.qk_norm", "only gqa has q/k norms",
+         "set attention.qk_norm=false for mla")
+    need(a.head_dim % 2 == 0, "attention.head_dim", "RoPE needs an even size", "use an even value")
+    need(a.rope_scaling in ("none", "yarn"), "attention.rope_scaling", "unknown scaling",
+         "use none or yarn")
+    if a.rope_scaling == "yarn":
+        need(a.rope_factor >= 1.0, "attention.rope_factor", "must be >= 1", "use e.g. 40")
+        need(a.rope_original_max_positions >= 1, "attention.rope_original_max_positions",
+             "must be >= 1", "use the pretraining context length")
+        need(a.rope_beta_fast > 0 and a.rope_beta_slow > 0, "attention.rope_beta_fast",
+             "yarn betas must be > 0", "use the defaults 32 and 1")
+    need(e.router in ("softmax", "sigmoid"), "moe.router", "unknown router",
+         "use softmax or sigmoid")
+    need(e.num_groups >= 1 and e.num_experts % e.num_groups == 0, "moe.num_groups",
+         f"must be >= 1 and divide moe.num_experts ({e.num_experts})", "pick a divisor")
+    if e.num_groups > 1:
+        need(e.num_experts // e.num_groups >= 2, "moe.num_groups",
+             "groups are ranked by their top-2 scores, so each needs >= 2 experts", "use fewer groups")
+    need(1 <= e.groups_per_token <= e.num_groups, "moe.groups_per_token",
+         f"must be between 1 and moe.num_groups ({e.num_groups})", "lower it")
+    need(e.experts_per_token <= e.groups_per_token * (e.num_experts // e.num_groups),
+         "moe.experts_per_token", "more than the experts of moe.groups_per_token groups",
+         "raise moe.groups_per_token or lower the top-k")
+    need(e.bias_update_speed >= 0, "moe.bias_update_speed", "must be >= 0", "use 0 (off) or 0.001")
+    need(e.bias_update_speed == 0 or e.router == "sigmoid", "moe.bias_update_speed",
+         "the selection bias exists only with moe.router=sigmoid", "set moe.router=sigmoid or 0")
     need(cfg.precision.compute_dtype in ("bfloat16", "float16", "float32"),
          "precision.compute_dtype", "unknown dtype", "use bfloat16, float16 or float32")
+    need(d.streams >= 1, "data.streams", "must be >= 1", "use 1 for a single stream")
     need(0.0 <= d.validation_fraction < 1.0, "data.validation_fraction", "must be in [0, 1)",
          "use e.g. 0.02")
+    need(d.prefetch_batches >= 1, "data.prefetch_batches", "must be >= 1", "use e.g. 4")
+    try:
+        d.mixture_weights()
+    except ValueError as error:
+        need(False, "data.mixture", str(error), "write e.g. 'data/web:0.7,data/code:0.3'")
 
     sizes = resolve_mesh_shape(cfg, num_devices, origins)
     need(sizes["pipeline"] == 1, "mesh.pipeline", "pipeline parallelism is not implemented yet",

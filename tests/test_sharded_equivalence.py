@@ -29,13 +29,20 @@ def reference():
     return batch, loss_and_grads(cfg, origins, batch, num_devices=1)
 
 
+# capacity mode with factor = num_experts has a slot for every assignment: nothing is dropped,
+# so it must equal the dropless single-device reference too
+DISPATCH = {"dropless": [], "capacity": ["moe.dispatch=capacity", "moe.capacity_factor=8.0"]}
+
+
+@pytest.mark.parametrize("dispatch", list(DISPATCH))
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_device(name, reference):
+def test_layout_matches_single_device(name, dispatch, reference):
     batch, (ref_loss, ref_metrics, ref_grads) = reference
-    cfg, origins = small_config(*LAYOUTS[name])
+    cfg, origins = small_config(*LAYOUTS[name], *DISPATCH[dispatch])
     loss, metrics, grads = loss_and_grads(cfg, origins, batch, num_devices=8)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_allclose(metrics["expert_load_max"], ref_metrics["expert_load_max"])
+    assert metrics["dropped_fraction"] == 0.0
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref)

@@ -149,25 +149,40 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
                           "pick another")
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: expected one of {SPLITS}")
-    if records.uses_prepared_data(cfg):
-        dataset = _prepared_documents(cfg, tokenizer, split, process_index, process_count,
-                                      num_epochs)
+
+    def packed_rows(process_index: int, process_count: int) -> grain.IterDataset:
+        if records.uses_prepared_data(cfg):
+            dataset = _prepared_documents(cfg, tokenizer, split, process_index, process_count,
+                                          num_epochs)
+        else:
+            documents = documents_for(cfg, split, process_index, process_count)
+            if training and not documents:
+                raise ConfigError(
+                    f"config key 'data.source' = {cfg.source!r}: no training documents for "
+                    f"stream {process_index} of {process_count} (processes x data.streams); "
+                    "use a corpus with more files or lower data.streams")
+            dataset = grain.MapDataset.source(documents)
+            if training:
+                # shuffle-then-repeat: grain folds the epoch into the shuffle seed, so each
+                # epoch has its own order and the stream is a pure function of (seed, step).
+                dataset = dataset.shuffle(seed=cfg.seed).repeat(num_epochs)
+            dataset = dataset.map(_TokenizeDocument(tokenizer))
+        rows = grain.experimental.ConcatThenSplitIterDataset(
+            dataset.to_iter_dataset(_READ_OPTIONS),
+            length_struct={"tokens": cfg.seq_len, "targets": cfg.seq_len},
+        ).map(_RowFeatures(tokenizer.pad_id))
+        return rows
+
+    if training and cfg.streams > 1:
+        # packing keeps a long document in consecutive rows, so a batch of one stream would be
+        # one or two files; interleaving `streams` independent streams (each a virtual process
+        # share) gives every batch rows of many documents, and resumes exactly
+        n = cfg.streams
+        rows = grain.experimental.InterleaveIterDataset(
+            [packed_rows(process_index * n + i, process_count * n) for i in range(n)],
+            cycle_length=n)
     else:
-        documents = documents_for(cfg, split, process_index, process_count)
-        if training and not documents:
-            raise ConfigError(
-                f"config key 'data.source' = {cfg.source!r}: no training documents for process "
-                f"{process_index} of {process_count}; use a corpus with more files")
-        dataset = grain.MapDataset.source(documents)
-        if training:
-            # shuffle-then-repeat: grain folds the epoch into the shuffle seed, so each epoch
-            # has its own order and the whole stream is a pure function of (seed, step).
-            dataset = dataset.shuffle(seed=cfg.seed).repeat(num_epochs)
-        dataset = dataset.map(_TokenizeDocument(tokenizer))
-    rows = grain.experimental.ConcatThenSplitIterDataset(
-        dataset.to_iter_dataset(_READ_OPTIONS),
-        length_struct={"tokens": cfg.seq_len, "targets": cfg.seq_len},
-    ).map(_RowFeatures(tokenizer.pad_id))
+        rows = packed_rows(process_index, process_count)
     if training:
         batches = rows.batch(batch_size, drop_remainder=True)
     else:

@@ -1,9 +1,9 @@
 """Model FLOPs per token and the peak FLOP/s that MFU is measured against.
 
 MFU = (model FLOPs per token x tokens per second) / (peak FLOP/s of all devices used).
-Model FLOPs follow the PaLM convention: 6 x (active matmul params, incl. LM head, excl. the
-embedding lookup) + 12 x layers x heads x head_dim x seq (attention scores and values,
-forward + backward, non-causal count). Rematerialisation is not counted (it is not useful work).
+Model FLOPs follow the PaLM convention: 6 x (active params, incl. LM head, excl. the embedding
+lookup; MTP depths added) + 6 x layers x heads x (qk + v head dims) x seq (attention scores and
+values, forward + backward, non-causal count). Rematerialisation is not counted (not useful work).
 """
 
 from __future__ import annotations
@@ -20,22 +20,62 @@ from maxmoe.config import Config
 GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-def active_params_per_token(cfg: Config) -> int:
-    """Matmul parameters a token passes through (top-k routed + shared experts only)."""
-    m, a, e = cfg.model, cfg.attention, cfg.moe
+def attention_params(cfg: Config) -> int:
+    """Params of one attention layer (GQA or MLA, incl. its internal norms)."""
+    a, d = cfg.attention, cfg.model.hidden_size
+    if a.kind == "mla":
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = (d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * a.num_heads * qk
+             if a.q_lora_rank else d * a.num_heads * qk)
+        kv = (d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+              + a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
+        return q + kv + a.num_heads * a.v_head_dim * d
+    norms = 2 * a.head_dim if a.qk_norm else 0
+    return d * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads) + norms
+
+
+def block_active_params(cfg: Config, is_moe: bool) -> int:
+    """Params one token passes through in one block: top-k routed + shared experts only."""
+    m, e = cfg.model, cfg.moe
     d = m.hidden_size
-    attention = d * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
-    dense_mlp = 3 * d * m.dense_mlp_size
-    moe_mlp = d * e.num_experts + 3 * d * e.expert_mlp_size * (e.experts_per_token + e.num_shared_experts)
-    n_dense = m.num_dense_layers
-    n_moe = m.num_layers - n_dense
-    return m.num_layers * attention + n_dense * dense_mlp + n_moe * moe_mlp + d * m.vocab_size
+    if is_moe:
+        mlp = d * e.num_experts + 3 * d * e.expert_mlp_size * (e.experts_per_token + e.num_shared_experts)
+    else:
+        mlp = 3 * d * m.dense_mlp_size
+    return attention_params(cfg) + mlp + 2 * d  # + the two pre-norms
+
+
+def active_params_per_token(cfg: Config) -> int:
+    """Params a token passes through in the main model (LM head and final norm included, the
+    embedding lookup and the MTP depths excluded)."""
+    from maxmoe.model.transformer import layer_groups
+
+    m = cfg.model
+    blocks = sum(n * block_active_params(cfg, is_moe) for is_moe, _, n in layer_groups(m))
+    return blocks + m.hidden_size + m.hidden_size * m.vocab_size
+
+
+def mtp_active_params_per_token(cfg: Config) -> int:
+    """Per-token params of the MTP depths, counting the shared LM head again (it is recomputed)."""
+    from maxmoe.model.transformer import layer_groups
+
+    d = cfg.model.hidden_size
+    last_is_moe = layer_groups(cfg.model)[-1][0]
+    per_depth = block_active_params(cfg, last_is_moe) + 2 * d * d + 3 * d + d * cfg.model.vocab_size
+    return cfg.model.mtp_depth * per_depth
 
 
 def flops_per_token(cfg: Config) -> float:
-    a = cfg.attention
-    attention_scores = 12 * cfg.model.num_layers * a.num_heads * a.head_dim * cfg.data.seq_len
-    return 6.0 * active_params_per_token(cfg) + attention_scores
+    a, m = cfg.attention, cfg.model
+    if a.kind == "mla":
+        qk, v = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
+    else:
+        qk = v = a.head_dim
+    # scores (q.k) and values (p.v), forward + backward: 6 x heads x (qk + v) x seq per layer
+    layers = m.num_layers + m.mtp_depth
+    attention_scores = 6 * layers * a.num_heads * (qk + v) * cfg.data.seq_len
+    params = active_params_per_token(cfg) + mtp_active_params_per_token(cfg)
+    return 6.0 * params + attention_scores
 
 
 def measure_matmul_peak(dtype=jnp.float32, size: int = 1024, repeats: int = 5) -> float:

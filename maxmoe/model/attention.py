@@ -1,4 +1,5 @@
-"""Grouped-query attention with RoPE, causal and packed-document (segment id) masking."""
+"""Grouped-query attention with RoPE (optional per-head q/k norm), causal and packed-document
+(segment id) masking. `make_attention` picks GQA or MLA (mla.py) from the config."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxmoe.config import AttentionConfig
-from maxmoe.model.layers import param, rope
+from maxmoe.model.layers import RMSNorm, param
+from maxmoe.model.rope import apply_rope
 from maxmoe.sharding import shard
 
 
@@ -19,29 +21,58 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return (causal[None] & same_doc)[:, None, None]
 
 
+def masked_softmax_attention(scores: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                             dtype) -> jax.Array:
+    """scores [B, K, G, S, T] float32 (already scaled), v [B, T, K, Dv] -> [B, S, K*G, Dv].
+
+    Query head h = k*G + g uses kv head k (Hugging Face's repeat_kv order).
+    """
+    scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # softmax in float32
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    b, s, k, g, dv = out.shape
+    return out.reshape(b, s, k * g, dv)
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,
+                 norm_eps: float = 1e-6):
         h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q = param(rngs, (dim, h, hd), ("embed", "heads", "head_dim"), std)
         self.k = param(rngs, (dim, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         self.v = param(rngs, (dim, kv, hd), ("embed", "kv_heads", "head_dim"), std)
         self.o = param(rngs, (h, hd, dim), ("heads", "head_dim", "embed"), std)
+        # Qwen3: RMSNorm over each head's dims before RoPE keeps attention logits bounded
+        self.q_norm = RMSNorm(hd, norm_eps, "head_dim") if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, norm_eps, "head_dim") if cfg.qk_norm else None
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [B, S, D] -> [B, S, D]."""
         cfg = self.cfg
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
         heads = ("batch", "seq", "act_heads", None)
-        q = shard(rope(jnp.einsum("bsd,dhk->bshk", x, c(self.q)), positions, cfg.rope_theta), heads)
-        k = shard(rope(jnp.einsum("bsd,dhk->bshk", x, c(self.k)), positions, cfg.rope_theta), heads)
+        q = jnp.einsum("bsd,dhk->bshk", x, c(self.q))
+        k = jnp.einsum("bsd,dhk->bshk", x, c(self.k))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = shard(apply_rope(q, positions, cfg), heads)
+        k = shard(apply_rope(k, positions, cfg), heads)
         v = shard(jnp.einsum("bsd,dhk->bshk", x, c(self.v)), heads)
         b, s, _, hd = q.shape
         groups = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(b, s, cfg.num_kv_heads, groups, hd)  # query head h uses kv head h // G
         scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (hd ** -0.5)
-        scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)  # softmax in float32
-        out = jnp.einsum("bkgst,btkd->bskgd", probs, v).reshape(b, s, cfg.num_heads, hd)
+        out = masked_softmax_attention(scores * (hd ** -0.5), v, segment_ids, self.dtype)
         out = shard(out, heads)
         return shard(jnp.einsum("bshk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+
+
+def make_attention(cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,
+                   norm_eps: float = 1e-6) -> nnx.Module:
+    """GQA or MLA, as the config says; both map x [B, S, D] -> [B, S, D]."""
+    if cfg.kind == "mla":
+        from maxmoe.model.mla import LatentAttention
+
+        return LatentAttention(cfg, dim, std=std, dtype=dtype, rngs=rngs)
+    return Attention(cfg, dim, std=std, dtype=dtype, rngs=rngs, norm_eps=norm_eps)

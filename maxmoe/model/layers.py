@@ -1,7 +1,8 @@
-"""Small building blocks: params with logical axes, RMSNorm, RoPE, embedding, SwiGLU MLP.
+"""Small building blocks: params with logical axes, RMSNorm, embedding, SwiGLU MLP (RoPE: rope.py).
 
 Dimension legend (all model files): B batch, S seq, D embed, H heads, G query heads per kv
-head, K experts per token, E experts, F expert mlp, V vocab, L layers.
+head, K experts per token, E experts, F expert mlp, V vocab, L layers, T key positions,
+Dh head dim, R rotary dims, C kv latent (kv_lora_rank), Q query latent (q_lora_rank).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("act_embed",))
+    def __init__(self, dim: int, eps: float, axis: str = "act_embed"):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=(axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -29,17 +30,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (self.scale[...] * y).astype(x.dtype)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half rotary embedding. x [B, S, N, Dh], positions [B, S] (restart per document)."""
-    half = x.shape[-1] // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, Dh/2]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 class Embed(nnx.Module):

@@ -1,4 +1,9 @@
-"""Decoder-only MoE transformer: stacked, scanned, rematerialised blocks and the LM loss."""
+"""Decoder-only MoE transformer: stacked, scanned, rematerialised blocks and the LM loss.
+
+Consecutive layers of the same kind (dense or MoE) form one stack, scanned with lax.scan;
+the stacks run in order. So first-k-dense (DeepSeek), every-Nth-MoE and explicit dense layers
+(Qwen3) all keep compile time flat in depth.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,11 @@ import optax
 from flax import nnx
 
 from maxmoe.config import AttentionConfig, ModelConfig, MoEConfig
-from maxmoe.model.attention import Attention
+from maxmoe.model.attention import make_attention
 from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
+from maxmoe.model.mtp import MTPLayer, shift_left
+from maxmoe.model.router import updated_bias
 from maxmoe.sharding import shard
 
 REMAT_POLICIES = {
@@ -26,7 +33,8 @@ class Block(nnx.Module):
                  *, dtype, rngs: nnx.Rngs):
         d, std = model.hidden_size, model.init_std
         self.attn_norm = RMSNorm(d, model.rms_norm_eps)
-        self.attn = Attention(attention, d, std=std, dtype=dtype, rngs=rngs)
+        self.attn = make_attention(attention, d, std=std, dtype=dtype, rngs=rngs,
+                                   norm_eps=model.rms_norm_eps)
         self.mlp_norm = RMSNorm(d, model.rms_norm_eps)
         self.mlp = (MoE(moe, d, std=std, dtype=dtype, rngs=rngs) if moe is not None
                     else MLP(d, model.dense_mlp_size, std=std, dtype=dtype, rngs=rngs))
@@ -68,53 +76,136 @@ def run_stack(stack, x, segment_ids, positions, *, scan: bool, remat: str):
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxs)
 
 
+def layer_groups(model: ModelConfig) -> list[tuple[bool, int, int]]:
+    """(is_moe, first layer, number of layers) for each run of consecutive same-kind layers."""
+    dense = set(model.dense_layer_indices)
+    kinds = [not (i < model.num_dense_layers or i in dense or (i + 1) % model.moe_layer_step)
+             for i in range(model.num_layers)]
+    groups: list[tuple[bool, int, int]] = []
+    for i, is_moe in enumerate(kinds):
+        if groups and groups[-1][0] == is_moe:
+            groups[-1] = (is_moe, groups[-1][1], groups[-1][2] + 1)
+        else:
+            groups.append((is_moe, i, 1))
+    return groups
+
+
+def _join(auxs: list[dict], key: str):
+    return jnp.concatenate([a[key] for a in auxs if key in a], axis=0)
+
+
 class Transformer(nnx.Module):
     def __init__(self, model: ModelConfig, attention: AttentionConfig, moe: MoEConfig,
                  *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         self.cfg, self.moe_cfg = model, moe
         self.embed = Embed(model.vocab_size, model.hidden_size, std=model.init_std, dtype=dtype,
                            rngs=rngs)
-        n_dense, n_moe = model.num_dense_layers, model.num_layers - model.num_dense_layers
-        self.dense_layers = (_stack(n_dense, lambda r: Block(model, attention, None, dtype=dtype,
-                                                             rngs=r), rngs) if n_dense else None)
-        self.moe_layers = (_stack(n_moe, lambda r: Block(model, attention, moe, dtype=dtype,
-                                                         rngs=r), rngs) if n_moe else None)
+
+        def block(is_moe: bool, r: nnx.Rngs) -> Block:
+            return Block(model, attention, moe if is_moe else None, dtype=dtype, rngs=r)
+
+        groups = layer_groups(model)
+        self.layer_groups = nnx.List([_stack(n, lambda r, m=is_moe: block(m, r), rngs)
+                                      for is_moe, _, n in groups])
         self.final_norm = RMSNorm(model.hidden_size, model.rms_norm_eps)
         self.lm_head = param(rngs, (model.hidden_size, model.vocab_size), ("embed", "vocab"),
                              model.init_std)
+        # MTP blocks are of the kind of the last layer (MoE in DeepSeek-V3)
+        last_is_moe = groups[-1][0]
+        self.mtp = nnx.List([
+            MTPLayer(block(last_is_moe, rngs), model.hidden_size, model.rms_norm_eps,
+                     std=model.init_std, dtype=dtype, rngs=rngs)
+            for _ in range(model.mtp_depth)]) if model.mtp_depth else None
         self.dtype = dtype
+
+    def hidden(self, tokens, segment_ids, positions):
+        """tokens [B, S] -> (last hidden state [B, S, D] before the final norm, aux).
+
+        aux: MoE entries stacked over MoE layers in order ([L_moe] or [L_moe, ...]),
+        dense_activation_rms over dense layers.
+        """
+        x = self.embed(tokens)
+        run = dict(scan=self.cfg.scan_layers, remat=self.cfg.remat_policy)
+        moe_auxs, dense_auxs = [], []
+        for (is_moe, _, _), stack in zip(layer_groups(self.cfg), self.layer_groups):
+            x, group_aux = run_stack(stack, x, segment_ids, positions, **run)
+            (moe_auxs if is_moe else dense_auxs).append(group_aux)
+        aux: dict = {}
+        if dense_auxs:
+            aux["dense_activation_rms"] = _join(dense_auxs, "activation_rms")
+        if moe_auxs:
+            aux.update({k: _join(moe_auxs, k) for k in moe_auxs[0]})
+        return x, aux
+
+    def logits(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
+        """x [B, S, D] -> logits [B, S, V] float32 (final norm, then the LM head)."""
+        x = (norm or self.final_norm)(x)
+        logits = jnp.einsum("bsd,dv->bsv", x, self.lm_head[...].astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+        return shard(logits, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens, segment_ids, positions):
         """tokens [B, S] -> (logits [B, S, V] float32, aux stacked per MoE layer)."""
-        x = self.embed(tokens)
-        run = dict(scan=self.cfg.scan_layers, remat=self.cfg.remat_policy)
-        aux: dict = {}
-        if self.dense_layers is not None:
-            x, dense_aux = run_stack(self.dense_layers, x, segment_ids, positions, **run)
-            aux["dense_activation_rms"] = dense_aux["activation_rms"]
-        if self.moe_layers is not None:
-            x, moe_aux = run_stack(self.moe_layers, x, segment_ids, positions, **run)
-            aux.update(moe_aux)
-        x = self.final_norm(x)
-        logits = jnp.einsum("bsd,dv->bsv", x, self.lm_head[...].astype(self.dtype),
-                            preferred_element_type=jnp.float32)
-        return shard(logits, ("batch", "seq", "act_vocab")), aux
+        x, aux = self.hidden(tokens, segment_ids, positions)
+        return self.logits(x), aux
 
     def loss(self, batch: dict) -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy over real targets + MoE auxiliary losses."""
-        logits, aux = self(batch["tokens"], batch["segment_ids"], batch["positions"])
+        """Mean next-token cross-entropy over real targets + MoE auxiliary losses (+ MTP)."""
+        x, aux = self.hidden(batch["tokens"], batch["segment_ids"], batch["positions"])
         mask = batch["loss_mask"].astype(jnp.float32)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        ce = jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        ce = _cross_entropy(self.logits(x), batch["targets"], mask)
         total = ce
         metrics = {"ce_loss": ce}
+        if self.mtp is not None:
+            mtp_loss, mtp_aux = self._mtp_loss(x, batch)
+            total = total + self.cfg.mtp_loss_weight * mtp_loss
+            metrics["mtp_loss"] = mtp_loss
+            if "expert_load" in aux and "expert_load" in mtp_aux:
+                aux = {k: jnp.concatenate([aux[k], mtp_aux[k]]) for k in aux
+                       if k in mtp_aux}
         if "balance_loss" in aux:
+            e = self.moe_cfg
             balance, z = jnp.mean(aux["balance_loss"]), jnp.mean(aux["z_loss"])
-            total = total + self.moe_cfg.aux_loss_weight * balance + self.moe_cfg.z_loss_weight * z
+            sequence_balance = jnp.mean(aux["sequence_balance_loss"])
+            total = (total + e.aux_loss_weight * balance + e.z_loss_weight * z
+                     + e.sequence_balance_loss_weight * sequence_balance)
             load = aux["expert_load"]  # [L, E] (token, k) slots per expert
-            metrics.update(balance_loss=balance, z_loss=z,
-                           expert_load_max=jnp.max(load), expert_load_mean=jnp.mean(load),
-                           expert_load_min=jnp.min(load))
+            metrics.update(balance_loss=balance, z_loss=z, sequence_balance_loss=sequence_balance,
+                           expert_load=load, expert_load_max=jnp.max(load),
+                           expert_load_mean=jnp.mean(load), expert_load_min=jnp.min(load),
+                           dropped_fraction=jnp.mean(aux["dropped_fraction"]))
             metrics["activation_rms"] = aux["activation_rms"]
         metrics["loss"] = total
         return total, metrics
+
+    def _mtp_loss(self, x, batch):
+        """Mean over depths k = 1..D of the CE of predicting token i+k+1 at position i."""
+        tokens, segment_ids, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
+        losses, auxs = [], []
+        for k, layer in enumerate(self.mtp, start=1):
+            x, aux = layer(x, self.embed(shift_left(tokens, k)), segment_ids, positions)
+            # a target counts only if it lies in the same packed document as position i
+            same_doc = shift_left(segment_ids, k, fill=-1) == segment_ids
+            mask = shift_left(batch["loss_mask"].astype(jnp.float32), k) * same_doc
+            losses.append(_cross_entropy(self.logits(x, layer.final_norm),
+                                         shift_left(batch["targets"], k), mask))
+            auxs.append({key: value[None] for key, value in aux.items()})
+        joined = {key: _join(auxs, key) for key in auxs[0]}
+        return jnp.mean(jnp.stack(losses)), joined
+
+    def update_router_bias(self, expert_load: jax.Array, speed: float) -> None:
+        """In place, once per optimizer step: expert_load [L_moe (+ MTP), E] as in loss metrics."""
+        blocks = [stack.mlp for stack in self.layer_groups] + [
+            layer.block.mlp for layer in (self.mtp or [])]
+        blocks = [mlp for mlp in blocks if isinstance(mlp, MoE)]
+        row = 0
+        for mlp in blocks:
+            n = 1 if mlp.bias[...].ndim == 1 else mlp.bias[...].shape[0]
+            load = expert_load[row:row + n].reshape(mlp.bias[...].shape)
+            mlp.bias[...] = updated_bias(mlp.bias[...], load, speed)
+            row += n
+
+
+def _cross_entropy(logits, targets, mask):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -1,55 +1,148 @@
-"""Routed-expert computation: dropless grouped matmul, expert-parallel over the mesh.
+"""Routed-expert computation, expert-parallel over the mesh: dropless or capacity-bounded.
 
-Inside `shard_map` every device holds its batch shard of tokens and E/ep of the experts.
-Tokens are all-gathered over the expert axis, each device runs its own experts on the tokens
-routed to them (sorted by expert, `lax.ragged_dot`, nothing dropped), and the partial outputs
-are reduce-scattered back to the token owners. This all-gather/reduce-scatter form needs no
-ragged all-to-all (absent on XLA:CPU) and is the cheaper one for small expert axes.
+Inside `shard_map` every device holds its batch shard of tokens and E/ep of the experts
+(ep = size of the mesh axes the logical `experts` axis maps to).
+
+- dropless: tokens are all-gathered over the expert axis, each device sorts the (token, k)
+  assignments that hit its own experts, runs them as a grouped matmul (`lax.ragged_dot`;
+  nothing dropped whatever the imbalance) and reduce-scatters the partial outputs back to the
+  token owners. This all-gather/reduce-scatter form needs no ragged all-to-all (absent on
+  XLA:CPU), moves each token once rather than once per k, and wins for small expert axes.
+- capacity: every device packs its own assignments into `capacity` slots per expert
+  (GShard/Switch), exchanges them with one all-to-all over the expert axis, runs dense batched
+  matmuls and sends results back with a second all-to-all. Overflowing assignments are
+  dropped, by arrival order ("position") or lowest router weight first ("probability").
+
+Both return (y [B, S, D], dropped fraction of (token, k) assignments on this batch).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from maxmoe.config import MoEConfig
 from maxmoe.sharding import current_mesh, mesh_axes
 
 
-def local_experts(x, expert_idx, weights, w_gate, w_up, w_down, first_expert):
+def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *,
+                   grouped_matmul: str = "ragged_dot", block_size: int = 64):
     """Runs experts [first_expert, first_expert + El) on the tokens routed to them.
 
     x [T, D]; expert_idx, weights [T, K] (global expert ids); w_gate, w_up [El, D, F];
     w_down [El, F, D]. Returns [T, D] float32: the weighted sum over this shard's experts.
+    grouped_matmul: "ragged_dot" (lax.ragged_dot over rows sorted by expert) or "blocked"
+    (rows sorted by expert, each expert padded to whole blocks of block_size rows, one batched
+    matmul over blocks with per-block weights: 4-5x faster than ragged_dot on XLA:CPU, which
+    lowers ragged_dot to a dense masked product over every group).
     """
     t, k = expert_idx.shape
-    num_local = w_gate.shape[0]
+    n, num_local = t * k, w_gate.shape[0]
     local = expert_idx.reshape(-1) - first_expert  # [T*K]
     key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others last
     order = jnp.argsort(key, stable=True)
-    token = order // k
-    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    xs = x[token]  # [T*K, D] sorted by expert; rows past sum(group_sizes) give zeros
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, group_sizes)) * jax.lax.ragged_dot(
-        xs, w_up, group_sizes)
-    out = jax.lax.ragged_dot(h, w_down, group_sizes).astype(jnp.float32)
-    out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
-    # K contributions per token are summed in float32 before the cast back
-    return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    if grouped_matmul == "ragged_dot":
+        token = order // k
+        xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
+        out = jax.lax.ragged_dot(h, w_down, sizes).astype(jnp.float32)
+        out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+        # K contributions per token are summed in float32 before the cast back
+        return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+    # blocked: slot of sorted row i of expert e = padded_start[e] + rank of i within e
+    padded = (sizes + block_size - 1) // block_size * block_size
+    padded_end = jnp.cumsum(padded)
+    sorted_key = key[order]
+    e = jnp.minimum(sorted_key, num_local - 1)
+    rank = jnp.arange(n) - (jnp.cumsum(sizes) - sizes)[e]
+    slot = jnp.where(sorted_key < num_local, padded_end[e] - padded[e] + rank, -1)
+    rows = -(-(n + num_local * (block_size - 1)) // block_size) * block_size  # worst case
+    blocks = rows // block_size
+    assignment = jnp.full((rows,), n, jnp.int32).at[jnp.where(slot >= 0, slot, rows)].set(
+        order, mode="drop")  # (token, k) assignment held by each slot; n = empty slot
+    token = jnp.where(assignment < n, assignment // k, t)  # token t is an all-zero row
+    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]
+    xs = xs.reshape(blocks, block_size, -1)
+    block_expert = jnp.minimum(
+        jnp.searchsorted(padded_end, jnp.arange(blocks) * block_size, side="right"), num_local - 1)
+    h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", xs, w_gate[block_expert])) * jnp.einsum(
+        "nbd,ndf->nbf", xs, w_up[block_expert])
+    out = jnp.einsum("nbf,nfd->nbd", h, w_down[block_expert]).reshape(rows, -1)
+    slot_weight = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])
+    out = out.astype(jnp.float32) * slot_weight[assignment][:, None].astype(jnp.float32)
+    return jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[token].add(out)[:t]
 
 
-def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down):
+def capacity_slots(expert_idx, weights, num_experts: int, capacity: int, drop_policy: str):
+    """Slot of every (token, k) assignment in its expert's buffer; -1 when dropped.
+
+    expert_idx, weights [T, K]. Returns slot [T, K] int32. Priority: all first choices before
+    any second choice (GShard), then token order ("position") or router weight ("probability").
+    """
+    t, k = expert_idx.shape
+    flat_e = expert_idx.T.reshape(-1)  # k-major: first choices first
+    if drop_policy == "probability":
+        order = jnp.argsort(-weights.T.reshape(-1), stable=True)
+    else:
+        order = jnp.arange(t * k)
+    onehot = jax.nn.one_hot(flat_e[order], num_experts, dtype=jnp.int32)  # [T*K, E]
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    slot_sorted = jnp.where(position < capacity, position, -1)
+    slot = jnp.zeros((t * k,), jnp.int32).at[order].set(slot_sorted)
+    return slot.reshape(k, t).T
+
+
+def capacity_for(tokens: int, cfg: MoEConfig) -> int:
+    """Slots per expert for `tokens` local tokens: ceil(factor * tokens * K / E)."""
+    return max(1, math.ceil(cfg.capacity_factor * tokens * cfg.experts_per_token / cfg.num_experts))
+
+
+def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
+                      exchange=None):
+    """Capacity-bounded experts for local tokens x [T, D]. exchange(buf, inverse) moves
+    [E, C, D] buffers between expert shards (all-to-all); None = all experts are local.
+
+    Returns ([T, D] float32, number of dropped assignments).
+    """
+    t, d = x.shape
+    num_experts = cfg.num_experts
+    capacity = capacity_for(t, cfg)
+    slot = capacity_slots(expert_idx, weights, num_experts, capacity, cfg.drop_policy)
+    kept = slot >= 0
+    tok = jnp.broadcast_to(jnp.arange(t)[:, None], slot.shape)
+    buf = jnp.zeros((num_experts, capacity, d), x.dtype)
+    buf = buf.at[expert_idx, jnp.where(kept, slot, capacity)].set(x[tok], mode="drop")
+    if exchange is not None:
+        buf = exchange(buf, inverse=False)  # [E, C, D] -> [ep, El, C, D] received
+    h = jax.nn.silu(jnp.einsum("...cd,...df->...cf", buf, w_gate)) * jnp.einsum(
+        "...cd,...df->...cf", buf, w_up)
+    out = jnp.einsum("...cf,...fd->...cd", h, w_down)
+    if exchange is not None:
+        out = exchange(out, inverse=True)
+    gathered = out[expert_idx, jnp.where(kept, slot, 0)].astype(jnp.float32)  # [T, K, D]
+    w = jnp.where(kept, weights, 0.0).astype(jnp.float32)
+    return jnp.einsum("tkd,tk->td", gathered, w), jnp.sum(~kept)
+
+
+def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig):
     """x [B, S, D]; expert_idx, weights [B, S, K]; expert weights [E, D, F] / [E, F, D].
 
-    Returns [B, S, D] in x.dtype. Without a mesh it is the plain single-device computation.
+    Returns (y [B, S, D] in x.dtype, dropped fraction). Without a mesh: one device.
     """
+    b, s, d = x.shape
+    total = b * s * expert_idx.shape[-1]
     if current_mesh() is None:
-        b, s, d = x.shape
-        y = local_experts(x.reshape(-1, d), expert_idx.reshape(b * s, -1),
-                          weights.reshape(b * s, -1), w_gate, w_up, w_down, 0)
-        return y.astype(x.dtype).reshape(b, s, d)
+        xf, idx, w = x.reshape(-1, d), expert_idx.reshape(b * s, -1), weights.reshape(b * s, -1)
+        if cfg.dispatch == "capacity":
+            y, dropped = capacity_dispatch(xf, idx, w, w_gate, w_up, w_down, cfg)
+        else:
+            y, dropped = dropless_local(xf, idx, w, w_gate, w_up, w_down, 0, **_matmul(cfg)), 0
+        return y.astype(x.dtype).reshape(b, s, d), jnp.asarray(dropped, jnp.float32) / total
 
     batch, ep, tp = mesh_axes("batch"), mesh_axes("experts"), mesh_axes("expert_mlp")
     gathered = tuple(a for a in ep if a in batch)  # tokens of these shards meet the experts
@@ -57,20 +150,63 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down):
     tok = P(batch or None, None, None)
     wspec_in = P(ep or None, None, tp or None)
     wspec_out = P(ep or None, tp or None, None)
+    capacity_mode = cfg.dispatch == "capacity"
 
     @functools.partial(jax.shard_map, in_specs=(tok, tok, tok, wspec_in, wspec_in, wspec_out),
-                       out_specs=tok)
+                       out_specs=(tok, P()))
     def body(x, idx, w, wg, wu, wd):
         b, s, d = x.shape
         xf, idx, w = x.reshape(-1, d), idx.reshape(b * s, -1), w.reshape(b * s, -1)
-        if gathered:
-            xf, idx, w = (jax.lax.all_gather(a, gathered, axis=0, tiled=True) for a in (xf, idx, w))
         first = jax.lax.axis_index(ep) * wg.shape[0] if ep else 0
-        y = local_experts(xf, idx, w, wg, wu, wd, first)
-        if gathered:
-            y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
+        dropped = jnp.zeros((), jnp.int32)
+        if capacity_mode:
+            if replicated:  # every shard sees every token: keep the slots of its own experts
+                y, dropped = capacity_dispatch(xf, idx, w, *_padded_local(wg, wu, wd, first, cfg),
+                                               cfg)
+            else:
+                y, dropped = capacity_dispatch(xf, idx, w, wg, wu, wd, cfg,
+                                               exchange=_exchange(gathered))
+        else:
+            if gathered:
+                xf, idx, w = (jax.lax.all_gather(a, gathered, axis=0, tiled=True)
+                              for a in (xf, idx, w))
+            y = dropless_local(xf, idx, w, wg, wu, wd, first, **_matmul(cfg))
+            if gathered:
+                y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
         if replicated + tp:
             y = jax.lax.psum(y, replicated + tp)
-        return y.astype(x.dtype).reshape(b, s, d)
+        # each batch shard counts its own tokens once; other axes hold identical counts
+        dropped = jax.lax.psum(dropped, batch) if batch else dropped
+        others = tuple(a for a in current_mesh().axis_names if a not in batch)
+        dropped = jax.lax.pmax(dropped, others) if others else dropped
+        return y.astype(x.dtype).reshape(b, s, d), dropped
 
-    return body(x, expert_idx, weights, w_gate, w_up, w_down)
+    y, dropped = body(x, expert_idx, weights, w_gate, w_up, w_down)
+    return y, dropped.astype(jnp.float32) / total
+
+
+def _matmul(cfg: MoEConfig) -> dict:
+    impl = cfg.grouped_matmul
+    if impl == "auto":  # XLA:CPU lowers ragged_dot densely; GPUs have a grouped GEMM
+        impl = "blocked" if jax.devices()[0].platform == "cpu" else "ragged_dot"
+    return {"grouped_matmul": impl, "block_size": cfg.block_size}
+
+
+def _exchange(axes):
+    """All-to-all of [E, C, D] slot buffers over the expert shards `axes` (and back)."""
+    def exchange(buf, inverse):
+        if not inverse:  # [E, C, D] -> [ep, El, C, D]: slots for shard j go to shard j
+            ep = math.prod(current_mesh().shape[a] for a in axes)
+            buf = buf.reshape(ep, buf.shape[0] // ep, *buf.shape[1:])
+            return jax.lax.all_to_all(buf, axes, split_axis=0, concat_axis=0, tiled=False)
+        out = jax.lax.all_to_all(buf, axes, split_axis=0, concat_axis=0, tiled=False)
+        return out.reshape(-1, *out.shape[2:])  # back to [E, C, D] on the token owner
+    return exchange
+
+
+def _padded_local(wg, wu, wd, first, cfg: MoEConfig):
+    """Local expert weights placed into zero-padded full-E stacks (tokens replicated case)."""
+    def pad(w):
+        full = jnp.zeros((cfg.num_experts, *w.shape[1:]), w.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(full, w, first, axis=0)
+    return pad(wg), pad(wu), pad(wd)

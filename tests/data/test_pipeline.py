@@ -44,7 +44,7 @@ def text_corpus(tmp_path_factory):
 def text_setup(text_corpus, tmp_path_factory):
     root, texts = text_corpus
     cfg = DataConfig(source=str(root / "**" / "*.txt"), seq_len=32, global_batch_size=4,
-                     validation_fraction=0.1, seed=3)
+                     validation_fraction=0.1, seed=3, streams=1)  # rows in order
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MAXMOE_CACHE", str(tmp_path_factory.mktemp("cache")))
         tokenizer = load_tokenizer(cfg, 384)
@@ -216,6 +216,27 @@ def test_state_resumes_identically(text_setup):
     state = json.loads(json.dumps(iterator.get_state()))  # checkpoints store it as JSON
     expected = _take(iterator, 6)
     resumed = iter(make_dataset(cfg, tokenizer))
+    resumed.set_state(state)
+    _assert_same(expected, _take(resumed, 6))
+
+
+def test_interleaved_streams_mix_documents_and_resume(text_setup):
+    cfg, tokenizer, _ = text_setup
+    ordered = _take(make_dataset(cfg, tokenizer), 12)
+    mixed_cfg = dataclasses.replace(cfg, streams=3)
+    mixed = _take(make_dataset(mixed_cfg, tokenizer), 12)
+    def continued(batches):  # share of next rows that continue the previous row's document
+        pairs = [(b, r) for b in batches for r in range(b["tokens"].shape[0] - 1)
+                 if b["loss_mask"][r, -1]]
+        return np.mean([b["targets"][r, -1] == b["tokens"][r + 1, 0] for b, r in pairs])
+
+    # one stream: a long document fills consecutive rows; three streams: neighbours differ
+    assert continued(ordered) > 0.5 and continued(mixed) < 0.2
+    iterator = iter(make_dataset(mixed_cfg, tokenizer))
+    _take(iterator, 5)
+    state = json.loads(json.dumps(iterator.get_state()))
+    expected = _take(iterator, 6)
+    resumed = iter(make_dataset(mixed_cfg, tokenizer))
     resumed.set_state(state)
     _assert_same(expected, _take(resumed, 6))
 

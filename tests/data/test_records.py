@@ -34,7 +34,7 @@ def prepared(tmp_path_factory, tokenizer_dir):
     texts = [f"doc {i}: " + english(rng, rng.choice([2, 10, 40, 150])) for i in range(300)]
     out = _prepare(tmp_path_factory.mktemp("prepared"), texts, tokenizer_dir,
                    validation_fraction=0.1)
-    cfg = DataConfig(source=str(out), seq_len=64, global_batch_size=4, seed=7)
+    cfg = DataConfig(source=str(out), seq_len=64, global_batch_size=4, seed=7, streams=1)
     return cfg, load_tokenizer(cfg, 384)
 
 
@@ -131,7 +131,8 @@ def test_mixture_gives_each_dataset_its_token_share(tmp_path, tokenizer_dir, pre
                      tokenizer_dir)
     long = _prepare(tmp_path / "long", [f"long {i} " + english(rng, 120) for i in range(100)],
                     tokenizer_dir)
-    cfg = DataConfig(mixture=f"{short}:0.7, {long}:0.3", seq_len=64, global_batch_size=8)
+    cfg = DataConfig(mixture=f"{short}:0.7, {long}:0.3", seq_len=64, global_batch_size=8,
+                     streams=1)  # documents are decoded from consecutive rows
     tokenizer = load_tokenizer(cfg, 384)
     batches = _take(make_dataset(cfg, tokenizer), 60)
     counts = {"short": 0, "long": 0}

@@ -48,8 +48,9 @@ def test_scan_and_remat_give_equal_loss_and_grads(setup, variant):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_dropless_moe_equals_dense_masked_reference():
-    cfg, _ = small_config()
+@pytest.mark.parametrize("grouped_matmul", ["ragged_dot", "blocked"])
+def test_dropless_moe_equals_dense_masked_reference(grouped_matmul):
+    cfg, _ = small_config(f"moe.grouped_matmul={grouped_matmul}", "moe.block_size=16")
     moe = MoE(cfg.moe, 64, std=0.2, dtype=jnp.float32, rngs=nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(0), (4, 16, 64))
     y, aux = moe(x)
@@ -78,7 +79,8 @@ def test_dropless_keeps_every_token_when_all_route_to_one_expert():
     weights = jnp.ones((2, 8, 2)) * 0.5
     w = 0.3 * jax.random.normal(jax.random.key(2), (4, 16, 8))
     wd = 0.3 * jax.random.normal(jax.random.key(3), (4, 8, 16))
-    y = routed_experts(x, idx, weights, w, w, wd)
+    y, dropped = routed_experts(x, idx, weights, w, w, wd, small_config()[0].moe)
+    assert float(dropped) == 0.0
     h = lambda e: jax.nn.silu(x @ w[e]) * (x @ w[e]) @ wd[e]  # noqa: E731
     np.testing.assert_allclose(y, 0.5 * h(0) + 0.5 * h(1), rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,127 @@
+"""`maxmoe bench CONFIG... [KEY=VALUE...]`: compile once, warm up, time N train steps.
+
+Prints compile time, median step time, tokens/s, model FLOPs per step, MFU against a stated
+peak (on CPU the host's float32 matmul rate, measured in the same run), XLA's compiled memory
+analysis per device, and as the last line one JSON object for scripts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+USAGE = """\
+Benchmark the train step of a config (same CONFIG/KEY=VALUE arguments as `maxmoe train`).
+Batches are synthetic packed rows (uniform random tokens, 4 documents per row), so the figures
+measure the step alone, not the data pipeline. Example:
+
+  maxmoe bench configs/bench/cpu_mixtral_tiny.yaml --steps 10
+  maxmoe bench configs/tiny.yaml moe.dispatch=capacity mesh.expert=4 mesh.fsdp=1"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time the train step (tokens/s, MFU, memory)",
+                       description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("items", nargs="+", metavar="CONFIG_OR_KEY=VALUE")
+    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compile (default 2)")
+    p.set_defaults(run=run)
+
+
+def synthetic_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
+    """Global batch of packed rows: 4 equal documents per row, random tokens."""
+    rng = np.random.default_rng(seed)
+    b, s = cfg.data.global_batch_size, cfg.data.seq_len
+    doc = max(s // 4, 1)
+    segment_ids = (np.arange(s) // doc + 1).astype(np.int32)
+    positions = (np.arange(s) % doc).astype(np.int32)
+    tokens = rng.integers(1, cfg.model.vocab_size, (b, s + 1)).astype(np.int32)
+    return dict(tokens=tokens[:, :-1], targets=tokens[:, 1:],
+                segment_ids=np.broadcast_to(segment_ids, (b, s)).copy(),
+                positions=np.broadcast_to(positions, (b, s)).copy(),
+                loss_mask=np.ones((b, s), np.float32))
+
+
+def memory_analysis(compiled) -> dict[str, int]:
+    """Bytes per device from XLA's compiled memory analysis (what each buffer class needs)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    fields = {"argument_bytes": "argument_size_in_bytes", "output_bytes": "output_size_in_bytes",
+              "temp_bytes": "temp_size_in_bytes", "alias_bytes": "alias_size_in_bytes",
+              "generated_code_bytes": "generated_code_size_in_bytes",
+              "host_temp_bytes": "host_temp_size_in_bytes"}
+    out = {k: int(getattr(m, v, 0) or 0) for k, v in fields.items()}
+    # donated arguments alias outputs: the live peak is arguments + outputs - aliased + temps
+    out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
+                         + out["temp_bytes"])
+    return out
+
+
+def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int) -> dict:
+    import jax
+
+    from maxmoe.metrics.flops import flops_per_token, peak_flops
+    from maxmoe.sharding import make_mesh, use_mesh
+    from maxmoe.train.loop import global_batch
+    from maxmoe.train.step import make_trainer
+
+    trainer = make_trainer(cfg, make_mesh(mesh_sizes))
+    state = trainer.init()
+    batch = global_batch(synthetic_batch(cfg), trainer.batch_sharding)
+    t = time.perf_counter()
+    with use_mesh(trainer.mesh, trainer.rules):
+        compiled = trainer.jitted_step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t
+    memory = memory_analysis(compiled)
+    with use_mesh(trainer.mesh, trainer.rules):
+        for _ in range(warmup):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - t)
+    step_time = float(np.median(times))
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    model_flops = flops_per_token(cfg) * tokens
+    peak, peak_source = peak_flops(cfg)
+    return {
+        "tokens_per_second": tokens / step_time, "step_time_s": step_time,
+        "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),
+        "model_flops_per_step": model_flops, "mfu": model_flops / step_time / peak,
+        "peak_flops": peak, "peak_source": peak_source, "compile_time_s": compile_s,
+        "devices": jax.device_count(), "mesh": {k: v for k, v in mesh_sizes.items() if v > 1},
+        "loss": float(metrics["loss"]),
+        "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **memory,
+    }
+
+
+def run(args) -> int:
+    from maxmoe.cli import prepare
+
+    cfg, sizes = prepare(args.items)
+    r = benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup)
+    gib = 2.0 ** 30
+    lines = [
+        f"mesh           {r['mesh'] or '1 device'} ({r['devices']} devices)",
+        f"compile        {r['compile_time_s']:.1f} s",
+        f"step time      {1e3 * r['step_time_s']:.1f} ms median of {args.steps} "
+        f"(min {1e3 * r['step_time_min_s']:.1f}, max {1e3 * r['step_time_max_s']:.1f})",
+        f"tokens/s       {r['tokens_per_second']:.0f}",
+        f"model FLOPs    {r['model_flops_per_step']:.3e} per step",
+        f"MFU            {100 * r['mfu']:.1f}% of {r['peak_flops']:.3e} FLOP/s ({r['peak_source']})",
+    ]
+    if "peak_bytes" in r:
+        lines.append(f"memory/device  peak {r['peak_bytes'] / gib:.3f} GiB = arguments "
+                     f"{r['argument_bytes'] / gib:.3f} + outputs {r['output_bytes'] / gib:.3f} "
+                     f"- aliased {r['alias_bytes'] / gib:.3f} + temporaries {r['temp_bytes'] / gib:.3f}")
+    print("\n".join(lines), file=sys.stderr)
+    print(json.dumps(r))
+    return 0

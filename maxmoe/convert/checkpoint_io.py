@@ -1,0 +1,97 @@
+"""A converted checkpoint directory: what `convert from-hf` writes and `forward` / `to-hf` read.
+
+    OUT_DIR/config.yaml        the resolved maxmoe config (train with it, or pass it to forward)
+    OUT_DIR/params/            Orbax checkpoint of the pure param dict (float32, incl. router bias)
+    OUT_DIR/hf/config.json     the source config.json (to-hf keeps the fields maxmoe ignores)
+    OUT_DIR/hf/tensor_dtypes.json   hub tensor -> dtype on disk (to-hf writes the same dtypes)
+
+A training run directory (run.dir, with checkpoints/<step>/state) is read too: its newest step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from maxmoe.config import Config, load_config, save_config
+from maxmoe.convert.safetensors_io import ConversionError
+
+
+def abstract_params(cfg: Config) -> dict:
+    """ShapeDtypeStructs of the pure dict of every model variable (params and router bias)."""
+    from flax import nnx
+
+    from maxmoe.train.step import build_model
+
+    model = nnx.eval_shape(lambda: build_model(cfg, 0))
+    return nnx.to_pure_dict(nnx.state(model))
+
+
+def save_converted(out_dir: Path, cfg: Config, params: dict, hf_config: dict | None = None,
+                   hf_dtypes: dict | None = None) -> None:
+    import orbax.checkpoint as ocp
+
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "config.yaml")
+    if hf_config is not None:
+        (out_dir / "hf").mkdir(exist_ok=True)
+        (out_dir / "hf" / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+        (out_dir / "hf" / "tensor_dtypes.json").write_text(json.dumps(hf_dtypes or {}, indent=0))
+    # Orbax stages every array before writing: peak ~2x the float32 model (see issue note)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(out_dir / "params", params, force=True)
+        checkpointer.wait_until_finished()
+
+
+def load_converted(ckpt_dir: Path, overrides: list[str] = ()) -> tuple[Config, dict, dict | None, dict]:
+    """(config, params as numpy arrays, source HF config or None, hub tensor dtypes)."""
+    import orbax.checkpoint as ocp
+
+    ckpt_dir = Path(ckpt_dir).resolve()
+    if not (ckpt_dir / "config.yaml").is_file():
+        raise ConversionError(f"{ckpt_dir}: no config.yaml; pass a directory written by "
+                              "'maxmoe convert from-hf' or a training run directory")
+    cfg, _ = load_config([str(ckpt_dir / "config.yaml")], list(overrides))
+    abstract = abstract_params(cfg)
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=cpu), abstract)
+    if (ckpt_dir / "params").is_dir():
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(ckpt_dir / "params", target)
+    else:
+        params = _params_from_run(ckpt_dir, cfg, target)
+    params = jax.tree.map(np.asarray, params)
+    hf_config, dtypes = None, {}
+    if (ckpt_dir / "hf" / "config.json").is_file():
+        hf_config = json.loads((ckpt_dir / "hf" / "config.json").read_text())
+        dtypes = json.loads((ckpt_dir / "hf" / "tensor_dtypes.json").read_text())
+    return cfg, params, hf_config, dtypes
+
+
+def _params_from_run(run_dir: Path, cfg: Config, target: dict) -> dict:
+    """The model variables of the newest step of a training run (params + router bias)."""
+    from flax import nnx
+
+    from maxmoe.train.checkpoint import Checkpointer
+    from maxmoe.train.step import make_trainer
+
+    if not (run_dir / "checkpoints").is_dir():
+        raise ConversionError(f"{run_dir}: neither params/ nor checkpoints/ found; pass a "
+                              "converted checkpoint or a training run directory")
+    from maxmoe.sharding import make_mesh
+
+    mesh = make_mesh({"data": 1, "fsdp": 1, "pipeline": 1, "expert": 1, "tensor": 1},
+                     jax.devices("cpu")[:1])
+    trainer = make_trainer(cfg, mesh)
+    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    try:
+        state, _ = checkpointer.restore(trainer.abstract_state)
+    finally:
+        checkpointer.close()
+    merged = nnx.to_pure_dict(nnx.state(nnx.merge(
+        trainer.graphdef, state["params"], *([state["buffers"]] if "buffers" in state else []))))
+    return merged

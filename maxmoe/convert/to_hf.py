@@ -1,0 +1,45 @@
+"""maxmoe params -> Hugging Face config.json + safetensors with hub names, tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from maxmoe.convert.checkpoint_io import abstract_params, load_converted
+from maxmoe.convert.hf_config import config_to_hf, family_for
+from maxmoe.convert.names import hub_shape, hub_tensors, mtp_shared_copies, params_to_hub
+from maxmoe.convert.safetensors_io import write_safetensors
+
+HF_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def convert_to_hf(ckpt_dir: Path, out_dir: Path, dtype: str | None = None,
+                  max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Writes OUT_DIR/config.json and the safetensors shards; returns the shard paths.
+
+    Each tensor keeps the dtype it had in the source hub checkpoint (recorded by from-hf), else
+    `dtype` (default bfloat16); the DeepSeek router bias stays float32 as in the hub files.
+    """
+    cfg, params, base, source_dtypes = load_converted(ckpt_dir)
+    family = family_for(cfg)
+    default = HF_DTYPES[dtype or (base or {}).get("dtype") or (base or {}).get("torch_dtype")
+                        or "bfloat16"]
+    if dtype:
+        source_dtypes = {}
+    shapes = abstract_params(cfg)
+    tensors = {t.name: t for t in hub_tensors(cfg, family) + mtp_shared_copies(cfg)}
+
+    def dtype_of(name: str) -> str:
+        if name in source_dtypes and source_dtypes[name] in ("F32", "BF16", "F16"):
+            return source_dtypes[name]
+        return "F32" if name.endswith("e_score_correction_bias") else default
+
+    plan = [(name, hub_shape(t, shapes), dtype_of(name)) for name, t in tensors.items()]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name_of_dtype = {v: k for k, v in HF_DTYPES.items()}
+    hf = config_to_hf(cfg, base, name_of_dtype[default])
+    (out_dir / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
+    return write_safetensors(out_dir, plan, lambda n: params_to_hub(tensors[n], params),
+                             max_shard_bytes)
+

@@ -1,0 +1,76 @@
+"""Multi-head latent attention (DeepSeek-V2/V3): low-rank compressed keys/values and queries,
+with a decoupled RoPE key of R dims shared by all heads.
+
+    q  = q_b(rms(q_a(x)))  or  q(x)        -> per head (nope [Dn], rope [R])
+    c  = rms(kv_a(x)) [C];  k_pe = rope(k_rope(x)) [R], one head for all
+    k_nope = c @ k_nope [H, Dn];  v = c @ v [H, Dv]
+    softmax scale = (Dn + R)^-0.5 * mscale(factor, mscale_all_dim)^2 under YaRN
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxmoe.config import AttentionConfig
+from maxmoe.model.attention import masked_softmax_attention
+from maxmoe.model.layers import RMSNorm, param
+from maxmoe.model.rope import apply_rope, yarn_mscale
+from maxmoe.sharding import shard
+
+# DeepSeek's latent norms use a fixed eps, whatever the model's rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+def softmax_scale(cfg: AttentionConfig) -> float:
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    if cfg.rope_scaling != "none" and cfg.rope_mscale_all_dim:
+        # YaRN stretches positions; the extra temperature keeps attention entropy (DeepSeek-V2)
+        scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
+    return scale
+
+
+class LatentAttention(nnx.Module):
+    def __init__(self, cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+        h, nope, rope, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank:
+            self.q_a = param(rngs, (dim, cfg.q_lora_rank), ("embed", "q_lora"), std)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, "q_lora")
+            self.q_b = param(rngs, (cfg.q_lora_rank, h, nope + rope), ("q_lora", "heads", "head_dim"), std)
+            self.q = None
+        else:
+            self.q_a = self.q_a_norm = self.q_b = None
+            self.q = param(rngs, (dim, h, nope + rope), ("embed", "heads", "head_dim"), std)
+        self.kv_a = param(rngs, (dim, cfg.kv_lora_rank), ("embed", "kv_lora"), std)
+        self.k_rope = param(rngs, (dim, rope), ("embed", "head_dim"), std)
+        self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, "kv_lora")
+        self.k_nope = param(rngs, (cfg.kv_lora_rank, h, nope), ("kv_lora", "heads", "head_dim"), std)
+        self.v = param(rngs, (cfg.kv_lora_rank, h, dv), ("kv_lora", "heads", "head_dim"), std)
+        self.o = param(rngs, (h, dv, dim), ("heads", "head_dim", "embed"), std)
+        self.cfg, self.dtype = cfg, dtype
+
+    def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
+        """x [B, S, D] -> [B, S, D]."""
+        cfg = self.cfg
+        c = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        heads = ("batch", "seq", "act_heads", None)
+        if self.q is not None:
+            q = jnp.einsum("bsd,dhk->bshk", x, c(self.q))
+        else:
+            q_latent = shard(self.q_a_norm(x @ c(self.q_a)), ("batch", "seq", None))  # [B, S, Q]
+            q = jnp.einsum("bsq,qhk->bshk", q_latent, c(self.q_b))
+        q = shard(q, heads)
+        q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+        q_pe = apply_rope(q_pe, positions, cfg)
+        latent = shard(self.kv_a_norm(x @ c(self.kv_a)), ("batch", "seq", None))  # [B, T, C]
+        k_pe = apply_rope((x @ c(self.k_rope))[:, :, None, :], positions, cfg)[:, :, 0]  # [B, T, R]
+        k_nope = shard(jnp.einsum("btc,chk->bthk", latent, c(self.k_nope)), heads)
+        v = shard(jnp.einsum("btc,chk->bthk", latent, c(self.v)), heads)
+        # the RoPE key is one head shared by all query heads: no need to broadcast it
+        scores = (jnp.einsum("bshk,bthk->bhst", q_nope, k_nope, preferred_element_type=jnp.float32)
+                  + jnp.einsum("bshr,btr->bhst", q_pe, k_pe, preferred_element_type=jnp.float32))
+        out = masked_softmax_attention(scores[:, :, None] * softmax_scale(cfg), v, segment_ids,
+                                       self.dtype)
+        out = shard(out, heads)
+        return shard(jnp.einsum("bshk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))

@@ -1,0 +1,72 @@
+"""Top-k expert routing (float32): softmax (Mixtral, Qwen3) or DeepSeek-V3 sigmoid scores with
+group-limited selection and an auxiliary-loss-free selection bias; the balance losses.
+
+The selection bias is a `RouterBias` variable, not an `nnx.Param`: the optimizer never sees it.
+`Transformer.update_router_bias` moves it once per optimizer step from the expert load
+(DeepSeek-V3 2.1.2): b_e += speed * sign(mean load - load_e).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxmoe.config import MoEConfig
+
+
+class RouterBias(nnx.Variable):
+    """Per-expert selection bias [E]: non-trainable state, updated outside the optimizer."""
+
+
+def group_limited_choice(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """choice [..., E] -> same, with -inf outside each token's best `groups_per_token` groups.
+
+    A group is ranked by the sum of its two highest scores (DeepSeek-V3 n_group / topk_group).
+    """
+    *lead, e = choice.shape
+    grouped = choice.reshape(*lead, cfg.num_groups, e // cfg.num_groups)
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., groups]
+    _, best = jax.lax.top_k(group_score, cfg.groups_per_token)
+    keep = jnp.any(jax.nn.one_hot(best, cfg.num_groups, dtype=jnp.bool_), axis=-2)  # [..., groups]
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
+
+
+def route(logits: jax.Array, cfg: MoEConfig, bias: jax.Array | None = None):
+    """logits [B, S, E] float32 -> (expert_idx [B, S, K], weights [B, S, K] float32, aux dict).
+
+    aux: balance_loss (Switch, over the batch), sequence_balance_loss (DeepSeek-V3, per row),
+    z_loss, expert_load [E] ((token, k) slots per expert) and expert_idx.
+    """
+    if cfg.router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        affinity = scores / jnp.sum(scores, axis=-1, keepdims=True)  # normalised for the losses
+    else:
+        scores = affinity = jax.nn.softmax(logits, axis=-1)
+    # bias picks experts but does not weight them (DeepSeek-V3 2.1.2)
+    choice = scores if bias is None else scores + bias
+    if cfg.num_groups > 1:
+        choice = group_limited_choice(choice, cfg)
+    _, idx = jax.lax.top_k(choice, cfg.experts_per_token)
+    weights = jnp.take_along_axis(scores, idx, axis=-1)
+    if cfg.normalize_top_k:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
+
+    num_experts = logits.shape[-1]
+    hits = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32), axis=-2)  # [B, S, E]
+    load = jnp.sum(hits, axis=(0, 1))
+    # E * sum_e f_e * P_e equals 1 for a uniform router; per row it is DeepSeek-V3's L_bal / alpha
+    balance = num_experts * jnp.sum(load / idx[..., 0].size / cfg.experts_per_token
+                                    * jnp.mean(affinity, axis=(0, 1)))
+    row_fraction = jnp.mean(hits, axis=1) / cfg.experts_per_token  # [B, E]
+    sequence_balance = num_experts * jnp.mean(jnp.sum(row_fraction * jnp.mean(affinity, axis=1), -1))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))  # ST-MoE router z-loss
+    return idx, weights, {"balance_loss": balance, "sequence_balance_loss": sequence_balance,
+                          "z_loss": z, "expert_load": load, "expert_idx": idx}
+
+
+def updated_bias(bias: jax.Array, load: jax.Array, speed: float) -> jax.Array:
+    """bias, load [..., E] -> bias moved toward balance: up for under-loaded experts."""
+    mean = jnp.mean(load, axis=-1, keepdims=True)
+    return bias + speed * jnp.sign(mean - load)
