@@ -20,7 +20,12 @@ Batches are synthetic packed rows (uniform random tokens, 4 documents per row), 
 measure the step alone, not the data pipeline. Example:
 
   maxmoe bench configs/bench/cpu_mixtral_tiny.yaml --steps 10
-  maxmoe bench configs/tiny.yaml moe.dispatch=capacity mesh.expert=4 mesh.fsdp=1"""
+  maxmoe bench configs/tiny.yaml moe.dispatch=capacity mesh.expert=4 mesh.fsdp=1
+  maxmoe bench configs/tiny.yaml --sweep model.remat_policy=none,full,dots,save_named,offload_named
+
+--sweep KEY=V1,V2,... benchmarks each value back to back in one process (same load on a
+shared machine) and prints one table: step time (and its ratio to the first value) and the
+compiled memory per device: arguments, outputs, temporaries, peak, and host-memory bytes."""
 
 
 def add_parser(sub) -> None:
@@ -29,6 +34,8 @@ def add_parser(sub) -> None:
     p.add_argument("items", nargs="+", metavar="CONFIG_OR_KEY=VALUE")
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compile (default 2)")
+    p.add_argument("--sweep", metavar="KEY=V1,V2,...", default="",
+                   help="benchmark each value of one config key; print a comparison table")
     p.set_defaults(run=run)
 
 
@@ -54,7 +61,9 @@ def memory_analysis(compiled) -> dict[str, int]:
     fields = {"argument_bytes": "argument_size_in_bytes", "output_bytes": "output_size_in_bytes",
               "temp_bytes": "temp_size_in_bytes", "alias_bytes": "alias_size_in_bytes",
               "generated_code_bytes": "generated_code_size_in_bytes",
-              "host_temp_bytes": "host_temp_size_in_bytes"}
+              "host_temp_bytes": "host_temp_size_in_bytes",
+              "host_argument_bytes": "host_argument_size_in_bytes",
+              "host_output_bytes": "host_output_size_in_bytes"}
     out = {k: int(getattr(m, v, 0) or 0) for k, v in fields.items()}
     # donated arguments alias outputs: the live peak is arguments + outputs - aliased + temps
     out["peak_bytes"] = (out["argument_bytes"] + out["output_bytes"] - out["alias_bytes"]
@@ -65,12 +74,13 @@ def memory_analysis(compiled) -> dict[str, int]:
 def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int) -> dict:
     import jax
 
+    from maxmoe.config import dcn_sizes
     from maxmoe.metrics.flops import flops_per_token, peak_flops
     from maxmoe.sharding import make_mesh, use_mesh
     from maxmoe.train.loop import global_batch
     from maxmoe.train.step import make_trainer
 
-    trainer = make_trainer(cfg, make_mesh(mesh_sizes))
+    trainer = make_trainer(cfg, make_mesh(mesh_sizes, dcn=dcn_sizes(cfg)))
     state = trainer.init()
     batch = global_batch(synthetic_batch(cfg), trainer.batch_sharding)
     t = time.perf_counter()
@@ -103,9 +113,46 @@ def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int) -> dict:
     }
 
 
+def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
+    """One line per swept value: step time, ratio to the first, memory per device in MiB."""
+    mib = 2.0 ** 20
+    base = rows[0][1]["step_time_s"]
+    lines = [f"{key:<20} {'step ms':>9} {'ratio':>6} {'args MiB':>9} {'out MiB':>9} "
+             f"{'temp MiB':>9} {'peak MiB':>9} {'host MiB':>9}"]
+    for value, r in rows:
+        host = r.get("host_argument_bytes", 0) + r.get("host_output_bytes", 0) + r.get(
+            "host_temp_bytes", 0)
+        ms, ratio = 1e3 * r["step_time_s"], r["step_time_s"] / base
+        lines.append(f"{value:<20} {ms:>9.1f} {ratio:>6.2f} "
+                     + " ".join(f"{r.get(k, 0) / mib:>9.2f}" for k in (
+                         "argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"))
+                     + f" {host / mib:>9.2f}")
+    return "\n".join(lines)
+
+
+def run_sweep(args) -> int:
+    from maxmoe.cli import prepare
+
+    key, _, values = args.sweep.partition("=")
+    if not key or not values:
+        print("maxmoe: error: --sweep expects KEY=V1,V2,... e.g. model.remat_policy=none,full",
+              file=sys.stderr)
+        return 2
+    rows = []
+    for value in values.split(","):
+        cfg, sizes = prepare([*args.items, f"{key}={value}"])
+        rows.append((value, benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup)))
+        print(f"{key}={value}: {1e3 * rows[-1][1]['step_time_s']:.1f} ms/step", file=sys.stderr)
+    print(sweep_table(key, rows), file=sys.stderr)
+    print(json.dumps({value: r for value, r in rows}))
+    return 0
+
+
 def run(args) -> int:
     from maxmoe.cli import prepare
 
+    if args.sweep:
+        return run_sweep(args)
     cfg, sizes = prepare(args.items)
     r = benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup)
     gib = 2.0 ** 30
@@ -122,6 +169,12 @@ def run(args) -> int:
         lines.append(f"memory/device  peak {r['peak_bytes'] / gib:.3f} GiB = arguments "
                      f"{r['argument_bytes'] / gib:.3f} + outputs {r['output_bytes'] / gib:.3f} "
                      f"- aliased {r['alias_bytes'] / gib:.3f} + temporaries {r['temp_bytes'] / gib:.3f}")
+    from maxmoe.model.transformer import layer_groups
+    from maxmoe.parallel.pipeline import describe
+
+    pipeline_line = describe(cfg.model, sizes["pipeline"], [n for _, _, n in layer_groups(cfg.model)])
+    if pipeline_line:
+        lines.append(pipeline_line)
     print("\n".join(lines), file=sys.stderr)
     print(json.dumps(r))
     return 0

@@ -31,6 +31,9 @@ checkpoints to <run.dir>/checkpoints; running the same command again resumes fro
 checkpoint."""
 
 
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved on SIGTERM before train.steps; run the command again
+
+
 def _split_args(items: list[str]) -> tuple[list[str], list[str]]:
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
@@ -50,10 +53,10 @@ def prepare(items: list[str]):
             pass
     from maxmoe.distributed import initialize
 
-    initialize()
+    initialize(cfg.distributed)
     from maxmoe.config import validate
 
-    sizes = validate(cfg, jax.device_count(), origins)
+    sizes = validate(cfg, jax.device_count(), origins, jax.process_count())
     return cfg, sizes
 
 
@@ -64,8 +67,12 @@ def cmd_train(args) -> int:
     t = time.perf_counter()
     summary = train(cfg, sizes)
     summary["wall_time_s"] = round(time.perf_counter() - t, 1)
-    print(json.dumps(summary))
-    return 0
+    import jax
+
+    if jax.process_index() == 0:  # one summary per job, like the logs and metrics
+        print(json.dumps(summary))
+    # stopped early on SIGTERM after saving: a distinct code so schedulers restart the job
+    return EXIT_PREEMPTED if summary.get("preempted") else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"maxmoe: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 a stability guard stopped training (train/guards.py)
+        from maxmoe.train.guards import TrainingStopped  # late: keeps --help free of JAX
+
+        if not isinstance(e, TrainingStopped):
+            raise
+        print(f"maxmoe: stopped: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("maxmoe: interrupted", file=sys.stderr)
         return 130

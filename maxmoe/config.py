@@ -38,11 +38,16 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02  # normal init std of every kernel and the embedding
     scan_layers: bool = True  # stack layers and run them with lax.scan (flat compile time)
-    remat_policy: str = "full"  # none | full | dots (save matmul outputs)
+    # none | full | dots (save matmul outputs) | save_named (save the qkv projections, attention
+    # output, MoE dispatch/combine) | offload_named (those, offloaded to pinned host memory)
+    remat_policy: str = "full"
     moe_layer_step: int = 1  # layer i is MoE only if (i + 1) % step == 0 (Qwen3 decoder_sparse_step)
     dense_layer_indices: list[int] = field(default_factory=list)  # also dense (Qwen3 mlp_only_layers)
     mtp_depth: int = 0  # multi-token prediction depths D after the trunk (DeepSeek-V3: 1); 0 = off
     mtp_loss_weight: float = 0.3  # lambda: the loss adds lambda / D * sum of the D depth losses
+    pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches = stages)
+    pipeline_microbatches: int = 0  # gpipe microbatches per step; 0 = number of stages
+    pipeline_repeats: int = 2  # circular: layer chunks per stage (bubble shrinks V times)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class AttentionConfig:
     head_dim: int = 32  # gqa only; mla head sizes are the qk_*/v_head_dim fields
     rope_theta: float = 10000.0
     kind: str = "gqa"  # gqa (Mixtral, Qwen3) | mla (DeepSeek multi-head latent attention)
+    implementation: str = "einsum"  # gqa: einsum (XLA) | fused (jax.nn.dot_product_attention: cuDNN flash on GPU)
     qk_norm: bool = False  # gqa: RMSNorm over head_dim of every q and k head before RoPE (Qwen3)
     q_lora_rank: int = 0  # mla: rank of the low-rank query path; 0 = one full-rank q projection
     kv_lora_rank: int = 512  # mla: width of the compressed key/value latent
@@ -92,6 +98,7 @@ class MoEConfig:
 
 
 MESH_AXES = ("data", "fsdp", "pipeline", "expert", "tensor")
+REMAT_POLICY_NAMES = ("none", "full", "dots", "save_named", "offload_named")
 
 # logical axis -> mesh axes. Params: embed, mlp, heads, kv_heads, vocab, experts, expert_mlp,
 # layers. Activations: batch, seq, act_embed, act_heads, act_mlp, act_vocab.
@@ -110,7 +117,8 @@ DEFAULT_RULES: dict[str, list[str]] = {
     "vocab": ["tensor"],
     "experts": ["expert"],
     "expert_mlp": ["tensor"],
-    "layers": [],
+    "layers": ["pipeline"],  # stacked layer dim; kept whole where stages do not divide it
+    "stage": ["pipeline"],
     "q_lora": [],
     "kv_lora": [],
 }
@@ -120,9 +128,16 @@ DEFAULT_RULES: dict[str, list[str]] = {
 class MeshConfig:
     data: int = -1  # pure data-parallel replicas; -1 = whatever the other axes leave
     fsdp: int = 1  # ZeRO-3 sharding of params, grads and optimizer state
-    pipeline: int = 1  # pipeline stages (only 1 is supported so far)
+    pipeline: int = 1  # pipeline stages (layer groups split into stages, see model.pipeline_*)
     expert: int = 1  # routed experts are split over this axis
     tensor: int = 1  # Megatron-style heads / MLP / vocab split
+    # of each axis above, the factor that spans hosts (DCN); the rest stays inside a host (ICI,
+    # NVLink), so fast axes never cross the slow network. Product = number of hosts.
+    dcn_data: int = 1
+    dcn_fsdp: int = 1
+    dcn_pipeline: int = 1
+    dcn_expert: int = 1
+    dcn_tensor: int = 1
     cpu_devices: int = 0  # fake this many CPU devices when running on CPU (0 = leave as is)
     rules: dict[str, list[str]] = field(
         default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()})
@@ -138,12 +153,21 @@ class OptimizerConfig:
     b2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1  # decoupled (AdamW); not applied to norms
-    grad_clip_norm: float = 1.0  # global-norm clipping; 0 = off
+    grad_clip_norm: float = 1.0  # global-norm clipping (the start norm of a schedule); 0 = off
+    grad_clip_end_norm: float = 0.0  # > 0: clip norm decays linearly to this; 0 = constant
+    grad_clip_decay_steps: int = 0  # length of that linear decay; 0 = until train.steps
+    moment_dtype: str = "float32"  # adam first moment: float32 | bfloat16 (second stays float32)
+    offload_state: bool = False  # keep optimizer state in pinned host memory (ZeRO-offload)
 
 
 @dataclass(frozen=True)
 class PrecisionConfig:
     compute_dtype: str = "bfloat16"  # bfloat16 | float16 | float32 (params stay float32)
+    loss_scaling: str = "auto"  # dynamic | none | auto (dynamic for float16 only)
+    loss_scale_initial_power: int = 16  # dynamic: initial scale 2^this (DeepSpeed initial_scale_power)
+    loss_scale_window: int = 1000  # dynamic: double the scale after this many clean steps
+    loss_scale_hysteresis: int = 2  # dynamic: overflows tolerated before halving (DeepSpeed)
+    loss_scale_min: float = 1.0  # dynamic: an overflow at this scale stops the run
 
 
 @dataclass(frozen=True)
@@ -185,7 +209,8 @@ class DataConfig:
 class CheckpointConfig:
     enabled: bool = True
     every_steps: int = 50  # also saved at the last step
-    keep: int = 3  # newest checkpoints kept on disk
+    keep: int = 3  # newest checkpoints kept on disk (the latest is never deleted)
+    keep_best: int = 0  # also keep this many lowest-eval-loss steps (needs train.eval_every_steps)
     async_save: bool = True
 
 
@@ -194,6 +219,21 @@ class TrainConfig:
     steps: int = 200  # optimizer steps
     grad_accum_steps: int = 1  # microbatches per optimizer step (global batch is split)
     seed: int = 0  # parameter init seed
+    eval_every_steps: int = 0  # validation loss every N steps (ranks checkpoint.keep_best); 0 = off
+    eval_batches: int = 4  # validation batches per evaluation
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    max_consecutive_skips: int = 50  # stop after this many skipped updates in a row (0 = never)
+    grad_norm_ceiling: float = 1e3  # stop when the finite global grad norm exceeds this (0 = off)
+    spike_action: str = "skip"  # on a loss/grad-norm spike: none | skip (the update) | rollback
+    spike_window: int = 100  # spikes are judged against this many recent applied steps
+    spike_zscore: float = 6.0  # a step is a spike if loss or grad norm z-score exceeds this
+    rollback_extra_batches: int = 0  # rollback: skip this many more batches after the spike
+    max_rollbacks: int = 5  # stop if more rollbacks than this are needed in one run
+    activation_rms_warn: float = 100.0  # warn when a layer's residual RMS exceeds this
+    update_ratio_warn: float = 0.1  # warn when a layer's |update| / |param| exceeds this
 
 
 @dataclass(frozen=True)
@@ -201,6 +241,18 @@ class LoggingConfig:
     every_steps: int = 10  # metrics.jsonl / progress bar update period
     progress_bar: bool = True
     peak_flops_per_device: float = 0.0  # for MFU; 0 = known GPU table, or measured on CPU
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    # Process identity: explicit here or in MAXMOE_COORDINATOR / MAXMOE_NUM_PROCESSES /
+    # MAXMOE_PROCESS_ID, else detected from SLURM, Open MPI or Kubernetes (maxmoe/distributed.py).
+    coordinator_address: str = ""  # host:port of process 0; empty = from the environment
+    num_processes: int = 0  # processes (one per host); 0 = from the environment
+    process_id: int = -1  # this process's index; -1 = from the environment
+    initialization_timeout_s: int = 300  # how long processes wait for each other at start-up
+    heartbeat_timeout_s: int = 100  # a process silent this long is dead: the others abort
+    shutdown_timeout_s: int = 120  # how long an exiting process waits for the others
 
 
 @dataclass(frozen=True)
@@ -215,7 +267,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -367,7 +421,12 @@ def resolve_mesh_shape(cfg: Config, num_devices: int, origins: dict[str, str]) -
     return sizes
 
 
-def validate(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str, int]:
+def dcn_sizes(cfg: Config) -> dict[str, int]:
+    return {a: getattr(cfg.mesh, f"dcn_{a}") for a in MESH_AXES}
+
+
+def validate(cfg: Config, num_devices: int, origins: dict[str, str],
+             num_processes: int = 1) -> dict[str, int]:
     """Checks everything that can be checked before compiling; returns the mesh shape."""
     o = lambda k: origins.get(k, "defaults")  # noqa: E731
 
@@ -387,8 +446,8 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str
         need(getattr(getattr(cfg, section), name) >= 1, key, "must be >= 1", "use a positive value")
     need(0 <= m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
          f"must be between 0 and model.num_layers ({m.num_layers})", "lower it")
-    need(m.remat_policy in ("none", "full", "dots"), "model.remat_policy", "unknown policy",
-         "use one of: none, full, dots")
+    need(m.remat_policy in REMAT_POLICY_NAMES, "model.remat_policy", "unknown policy",
+         f"use one of: {', '.join(REMAT_POLICY_NAMES)}")
     need(a.num_heads % a.num_kv_heads == 0, "attention.num_kv_heads",
          f"must divide attention.num_heads ({a.num_heads})", "pick a divisor of the head count")
     need(e.experts_per_token <= e.num_experts, "moe.experts_per_token",
@@ -407,6 +466,10 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str
          f"every index must be in [0, model.num_layers) = [0, {m.num_layers})", "drop the others")
     need(m.mtp_depth >= 0, "model.mtp_depth", "must be >= 0", "use 0 (off) or 1 (DeepSeek-V3)")
     need(a.kind in ("gqa", "mla"), "attention.kind", "unknown attention", "use gqa or mla")
+    need(a.implementation in ("einsum", "fused"), "attention.implementation",
+         "unknown implementation", "use einsum or fused")
+    need(a.implementation == "einsum" or a.kind == "gqa", "attention.implementation",
+         "the fused kernel is wired for gqa only", "use einsum with mla")
     if a.kind == "mla":
         for key in ("attention.kv_lora_rank", "attention.qk_nope_head_dim",
                     "attention.qk_rope_head_dim", "attention.v_head_dim"):
@@ -443,18 +506,88 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str
          "the selection bias exists only with moe.router=sigmoid", "set moe.router=sigmoid or 0")
     need(cfg.precision.compute_dtype in ("bfloat16", "float16", "float32"),
          "precision.compute_dtype", "unknown dtype", "use bfloat16, float16 or float32")
+    pr, g, op = cfg.precision, cfg.guard, cfg.optimizer
+    need(pr.loss_scaling in ("auto", "dynamic", "none"), "precision.loss_scaling",
+         "unknown loss scaling", "use auto, dynamic or none")
+    need(pr.loss_scaling != "none" or pr.compute_dtype != "float16", "precision.loss_scaling",
+         "float16 gradients underflow without loss scaling", "use auto or dynamic")
+    need(0 <= pr.loss_scale_initial_power <= 64, "precision.loss_scale_initial_power",
+         "must be in [0, 64]", "use e.g. 16 (scale 65536)")
+    need(pr.loss_scale_window >= 1, "precision.loss_scale_window", "must be >= 1", "use e.g. 1000")
+    need(pr.loss_scale_hysteresis >= 1, "precision.loss_scale_hysteresis", "must be >= 1",
+         "use 1 (halve on every overflow) or 2 (DeepSpeed)")
+    need(0 < pr.loss_scale_min <= 2.0 ** pr.loss_scale_initial_power, "precision.loss_scale_min",
+         "must be > 0 and at most the initial scale", "use e.g. 1")
+    need(op.moment_dtype in ("float32", "bfloat16"), "optimizer.moment_dtype", "unknown dtype",
+         "use float32 or bfloat16")
+    need(op.grad_clip_norm >= 0, "optimizer.grad_clip_norm", "must be >= 0", "use 0 (off) or 1.0")
+    need(op.grad_clip_end_norm >= 0 and (op.grad_clip_end_norm == 0 or op.grad_clip_norm > 0),
+         "optimizer.grad_clip_end_norm", "must be >= 0, and a decay needs grad_clip_norm > 0",
+         "use 0 (constant) or set optimizer.grad_clip_norm")
+    need(op.grad_clip_decay_steps >= 0, "optimizer.grad_clip_decay_steps", "must be >= 0",
+         "use 0 (until train.steps)")
+    need(g.max_consecutive_skips >= 0, "guard.max_consecutive_skips", "must be >= 0",
+         "use 0 (never stop) or e.g. 50")
+    need(g.grad_norm_ceiling >= 0, "guard.grad_norm_ceiling", "must be >= 0", "use 0 (off) or 1e3")
+    need(g.spike_action in ("none", "skip", "rollback"), "guard.spike_action", "unknown action",
+         "use none, skip or rollback")
+    need(g.spike_window >= 2, "guard.spike_window", "must be >= 2", "use e.g. 100")
+    need(g.spike_zscore > 0, "guard.spike_zscore", "must be > 0", "use e.g. 6")
+    need(g.rollback_extra_batches >= 0, "guard.rollback_extra_batches", "must be >= 0", "use 0")
+    need(g.max_rollbacks >= 0, "guard.max_rollbacks", "must be >= 0", "use e.g. 5")
     need(d.streams >= 1, "data.streams", "must be >= 1", "use 1 for a single stream")
     need(0.0 <= d.validation_fraction < 1.0, "data.validation_fraction", "must be in [0, 1)",
          "use e.g. 0.02")
     need(d.prefetch_batches >= 1, "data.prefetch_batches", "must be >= 1", "use e.g. 4")
+    c, dist = cfg.checkpoint, cfg.distributed
+    need(c.keep_best >= 0, "checkpoint.keep_best", "must be >= 0", "use 0 (off) or e.g. 1")
+    need(c.keep_best == 0 or t.eval_every_steps > 0, "checkpoint.keep_best",
+         "ranking by eval loss needs evaluations", "set train.eval_every_steps or keep_best=0")
+    need(t.eval_every_steps >= 0, "train.eval_every_steps", "must be >= 0", "use 0 (off) or e.g. 50")
+    need(t.eval_batches >= 1, "train.eval_batches", "must be >= 1", "use e.g. 4")
+    for key in ("distributed.initialization_timeout_s", "distributed.heartbeat_timeout_s",
+                "distributed.shutdown_timeout_s"):
+        need(getattr(dist, key.split(".")[1]) >= 1, key, "must be >= 1 second", "use e.g. 60")
+    need(dist.num_processes >= 0, "distributed.num_processes", "must be >= 0",
+         "use 0 (from the environment) or the process count")
+    need(dist.process_id == -1 or 0 <= dist.process_id < max(dist.num_processes, 1),
+         "distributed.process_id", f"must be -1 or in [0, distributed.num_processes = "
+         f"{dist.num_processes})", "use 0 .. num_processes - 1 and set num_processes")
+    host, colon, port = dist.coordinator_address.rpartition(":")
+    need(not dist.coordinator_address or bool(host and colon and port.isdigit()),
+         "distributed.coordinator_address", "expected host:port", "write e.g. 10.0.0.1:8476")
     try:
         d.mixture_weights()
     except ValueError as error:
         need(False, "data.mixture", str(error), "write e.g. 'data/web:0.7,data/code:0.3'")
 
     sizes = resolve_mesh_shape(cfg, num_devices, origins)
-    need(sizes["pipeline"] == 1, "mesh.pipeline", "pipeline parallelism is not implemented yet",
-         "set mesh.pipeline=1")
+    dcn = dcn_sizes(cfg)
+    for ax, n in dcn.items():
+        need(n >= 1 and sizes[ax] % n == 0, f"mesh.dcn_{ax}",
+             f"must be >= 1 and divide mesh.{ax} ({sizes[ax]})", "use a divisor of the axis size")
+    hosts = math.prod(dcn.values())
+    need(hosts == num_processes or (num_processes == 1 and num_devices % hosts == 0),
+         "mesh.dcn_data", f"the dcn factors multiply to {hosts} but there are {num_processes} "
+         "processes (hosts)", "make the product of mesh.dcn_* equal the number of hosts")
+    need(m.pipeline_schedule in ("gpipe", "circular"), "model.pipeline_schedule",
+         "unknown schedule", "use gpipe or circular")
+    need(m.pipeline_microbatches >= 0 and m.pipeline_repeats >= 1, "model.pipeline_microbatches",
+         "microbatches must be >= 0 and repeats >= 1", "use e.g. 0 (= stages) and 2")
+    stages = sizes["pipeline"]
+    if stages > 1:
+        from maxmoe.model.transformer import layer_groups  # noqa: PLC0415 (config <- model)
+
+        repeats = m.pipeline_repeats if m.pipeline_schedule == "circular" else 1
+        sizes_of_groups = [n for _, _, n in layer_groups(m)]
+        need(any(n % (stages * repeats) == 0 for n in sizes_of_groups), "mesh.pipeline",
+             f"no run of same-kind layers (sizes {sizes_of_groups}) divides into {stages} stages"
+             f" x {repeats} repeats", "change mesh.pipeline, model.pipeline_repeats or the layers")
+        micro = stages if repeats > 1 else (m.pipeline_microbatches or stages)
+        per_step = d.global_batch_size // t.grad_accum_steps
+        need(per_step % (micro * math.prod(sizes[ax] for ax in cfg.mesh.rules["batch"])) == 0,
+             "data.global_batch_size", f"each of the {micro} pipeline microbatches needs a "
+             "whole number of rows per batch shard", "use a larger multiple of the batch shards")
     rules = cfg.mesh.rules
     for logical, axes in rules.items():
         for ax in axes:

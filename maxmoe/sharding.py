@@ -22,15 +22,29 @@ _RULES: contextvars.ContextVar[dict[str, list[str]] | None] = contextvars.Contex
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
 
 
-def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes in MESH_AXES order (data outermost, tensor innermost = fastest links)."""
+def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None,
+              dcn: dict[str, int] | None = None) -> Mesh:
+    """A mesh with axes in MESH_AXES order (data outermost, tensor innermost).
+
+    dcn: the factor of each axis that spans hosts. Devices are grouped by host (process; on
+    one process, consecutive equal groups stand in for hosts) and every axis is laid out as
+    dcn (outer) x ici (inner), so the ici part of each axis stays inside one host.
+    """
     shape = tuple(sizes[a] for a in MESH_AXES)
     devices = list(devices if devices is not None else jax.devices())
     if int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
                          f"got {len(devices)}")
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    types = (AxisType.Auto,) * len(MESH_AXES)
+    dcn_shape = tuple((dcn or {}).get(a, 1) for a in MESH_AXES)
+    if int(np.prod(dcn_shape)) == 1:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
+    ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
+    hosts = sorted(devices, key=lambda d: (d.process_index, d.id))
+    grid = np.array(hosts, dtype=object).reshape(*dcn_shape, *ici_shape)
+    n = len(MESH_AXES)  # interleave (dcn_a, ici_a) per axis, then merge each pair
+    grid = grid.transpose([i for a in range(n) for i in (a, n + a)]).reshape(shape)
+    return Mesh(grid, MESH_AXES, axis_types=types)
 
 
 @contextlib.contextmanager
@@ -49,16 +63,23 @@ def current_mesh() -> Mesh | None:
     return _MESH.get()
 
 
-def spec(logical: Sequence[str | None], rules: dict[str, list[str]] | None = None) -> P:
-    """Logical axis names -> PartitionSpec. A mesh axis is used at most once per spec."""
+def spec(logical: Sequence[str | None], rules: dict[str, list[str]] | None = None,
+         shape: Sequence[int] | None = None) -> P:
+    """Logical axis names -> PartitionSpec. A mesh axis is used at most once per spec.
+
+    With `shape`, a dimension the mesh axes do not divide stays whole (e.g. a 1-layer stack
+    on 4 pipeline stages); config validation rejects the cases where that would be wrong.
+    """
     rules = rules if rules is not None else (_RULES.get() or {})
     used: set[str] = set()
     out = []
-    for name in logical:
+    for dim, name in enumerate(logical):
         axes = [a for a in (rules.get(name, []) if name else []) if a not in used]
         mesh = _MESH.get()
         if mesh is not None:  # size-1 axes add nothing and keep specs readable
             axes = [a for a in axes if mesh.shape[a] > 1]
+            if shape is not None and shape[dim] % int(np.prod([mesh.shape[a] for a in axes])):
+                axes = []
         used.update(axes)
         out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
     return P(*out)
@@ -90,7 +111,7 @@ def state_shardings(state, mesh: Mesh, rules: dict[str, list[str]]):
 
     def one(v):
         if isinstance(v, nnx.Variable):
-            return v.replace(NamedSharding(mesh, spec(param_axes(v), rules)))
+            return v.replace(NamedSharding(mesh, spec(param_axes(v), rules, v.get_value().shape)))
         return NamedSharding(mesh, P())
 
     with use_mesh(mesh, rules):

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from maxmoe.config import load_config, validate
+from maxmoe.config import dcn_sizes, load_config, validate
 from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
 from maxmoe.train.step import build_model
 
@@ -45,7 +45,7 @@ def random_batch(cfg, seed: int = 0, docs_per_row: int = 3) -> dict[str, np.ndar
 def loss_and_grads(cfg, origins, batch, num_devices: int):
     """First-step loss, metrics and gradients on a mesh over the first num_devices devices."""
     sizes = validate(cfg, num_devices, origins)
-    mesh = make_mesh(sizes, jax.devices()[:num_devices])
+    mesh = make_mesh(sizes, jax.devices()[:num_devices], dcn=dcn_sizes(cfg))
     graphdef, variables = nnx.split(build_model(cfg, cfg.train.seed))
     params = nnx.to_pure_dict(variables)
     shardings = nnx.to_pure_dict(state_shardings(variables, mesh, cfg.mesh.rules))

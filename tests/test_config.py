@@ -388,10 +388,24 @@ def test_mesh_axis_must_be_positive_or_minus_one(base, size):
     check(msg, "mesh.tensor", size, CMD, "must be >= 1 or -1")
 
 
-def test_pipeline_greater_than_one_is_rejected(base):
+def test_pipeline_stages_must_divide_a_layer_group(base):
+    # 4 layers = 1 dense + 3 MoE: neither run divides into 2 stages
     msg = error(load_validate, [base], ["mesh.pipeline=2"])
-    check(msg, "mesh.pipeline", 2, CMD, "pipeline parallelism is not implemented",
-          "set mesh.pipeline=1")
+    check(msg, "mesh.pipeline", 2, CMD, "no run of same-kind layers (sizes [1, 3]) divides "
+          "into 2 stages x 1 repeats", "change mesh.pipeline")
+    msg = error(load_validate, [base], ["mesh.pipeline=2", "model.num_layers=5",
+                                        "model.pipeline_schedule=circular",
+                                        "model.pipeline_repeats=4"])
+    check(msg, "mesh.pipeline", 2, CMD, "into 2 stages x 4 repeats", "model.pipeline_repeats")
+
+
+def test_pipeline_microbatches_must_split_the_batch(base):
+    msg = error(load_validate, [base], ["mesh.pipeline=2", "model.num_layers=5",
+                                        "model.pipeline_microbatches=3"])
+    check(msg, "data.global_batch_size", 16, "defaults", "each of the 3 pipeline microbatches",
+          "use a larger multiple")
+    sizes = load_validate([base], ["mesh.pipeline=2", "model.num_layers=5"])
+    assert sizes["pipeline"] == 2 and sizes["data"] == 4
 
 
 @pytest.mark.parametrize("where", ["file", "override"])

@@ -14,6 +14,16 @@ across two rows keeps its true next token at the row end, and the eos position (
 successor would be another document) is the only one without a target: the loss never
 crosses a document boundary and no token pair is lost at row edges.
 
+Process count and streams: with P processes and `data.streams` = N, process p interleaves the
+virtual shares p*N .. p*N+N-1 of P*N, one row of each in turn. So when global_batch_size =
+P x N, every global batch (process-major rows, as jax.make_array_from_process_local_data lays
+them out) equals, row for row, the batch of one process with data.streams = P x N: the same
+run on another process count reads the same batches if data.streams is scaled inversely
+(tests/data/test_pipeline.py; tests/distributed/test_multiprocess.py trains 2 x 4 devices and
+1 x 8 devices to the same losses). With global_batch_size = k x P x N the batches hold the
+same rows in another order. This is for data.num_workers = 0: worker processes each pack
+their own slice of the documents, so their batches depend on the worker count.
+
 Batch legend: b local rows (global_batch_size // process_count), S seq_len.
 """
 

@@ -15,6 +15,10 @@ def _plain(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def _number(v) -> float:
+    return float("nan") if v is None else v  # a skipped step's loss may be non-finite (None)
+
+
 class MetricsWriter:
     """Only process 0 writes; other processes get a writer that does nothing."""
 
@@ -35,11 +39,11 @@ class MetricsWriter:
         self.file.flush()
         if self.bar is not None:
             self.bar.update(step - self.last_step)
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}",
+            self.bar.set_postfix(loss=f"{_number(record['loss']):.3f}",
                                  tok_s=f"{record['tokens_per_second']:.0f}",
                                  mfu=f"{100 * record['mfu']:.1f}%")
         else:
-            print(f"step {step}: loss {record['loss']:.4f} tokens/s "
+            print(f"step {step}: loss {_number(record['loss']):.4f} tokens/s "
                   f"{record['tokens_per_second']:.0f} mfu {100 * record['mfu']:.1f}%",
                   file=sys.stderr)
         self.last_step = step

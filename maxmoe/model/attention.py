@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
 from maxmoe.model.layers import RMSNorm, param
@@ -34,6 +35,16 @@ def masked_softmax_attention(scores: jax.Array, v: jax.Array, segment_ids: jax.A
     return out.reshape(b, s, k * g, dv)
 
 
+def fused_attention(q, k, v, segment_ids):
+    """q [B, S, H, Dh], k/v [B, T, K, Dh] -> [B, S, H, Dh] via jax.nn.dot_product_attention:
+    cuDNN flash attention on GPU (causal skips the upper triangle; the document mask rides
+    along as a [B, 1, S, T] mask), XLA elsewhere."""
+    impl = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
+    same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=same_doc, is_causal=True,
+                                        implementation=impl)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,
                  norm_eps: float = 1e-6):
@@ -59,13 +70,19 @@ class Attention(nnx.Module):
         q = shard(apply_rope(q, positions, cfg), heads)
         k = shard(apply_rope(k, positions, cfg), heads)
         v = shard(jnp.einsum("bsd,dhk->bshk", x, c(self.v)), heads)
+        # named for the save_named / offload_named remat policies (transformer.py)
+        q, k, v = (checkpoint_name(t, "qkv_proj") for t in (q, k, v))
         b, s, _, hd = q.shape
-        groups = cfg.num_heads // cfg.num_kv_heads
-        q = q.reshape(b, s, cfg.num_kv_heads, groups, hd)  # query head h uses kv head h // G
-        scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-        out = masked_softmax_attention(scores * (hd ** -0.5), v, segment_ids, self.dtype)
+        if cfg.implementation == "fused":
+            out = fused_attention(q, k, v, segment_ids)
+        else:
+            groups = cfg.num_heads // cfg.num_kv_heads
+            q = q.reshape(b, s, cfg.num_kv_heads, groups, hd)  # query head h uses kv head h // G
+            scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+            out = masked_softmax_attention(scores * (hd ** -0.5), v, segment_ids, self.dtype)
         out = shard(out, heads)
-        return shard(jnp.einsum("bshk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+        out = shard(jnp.einsum("bshk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+        return checkpoint_name(out, "attn_out")
 
 
 def make_attention(cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,

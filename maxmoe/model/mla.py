@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
 from maxmoe.model.attention import masked_softmax_attention
@@ -67,10 +68,14 @@ class LatentAttention(nnx.Module):
         k_pe = apply_rope((x @ c(self.k_rope))[:, :, None, :], positions, cfg)[:, :, 0]  # [B, T, R]
         k_nope = shard(jnp.einsum("btc,chk->bthk", latent, c(self.k_nope)), heads)
         v = shard(jnp.einsum("btc,chk->bthk", latent, c(self.v)), heads)
+        # named for the save_named / offload_named remat policies (transformer.py)
+        q_nope, q_pe, k_nope, k_pe, v = (checkpoint_name(t, "qkv_proj")
+                                         for t in (q_nope, q_pe, k_nope, k_pe, v))
         # the RoPE key is one head shared by all query heads: no need to broadcast it
         scores = (jnp.einsum("bshk,bthk->bhst", q_nope, k_nope, preferred_element_type=jnp.float32)
                   + jnp.einsum("bshr,btr->bhst", q_pe, k_pe, preferred_element_type=jnp.float32))
         out = masked_softmax_attention(scores[:, :, None] * softmax_scale(cfg), v, segment_ids,
                                        self.dtype)
         out = shard(out, heads)
-        return shard(jnp.einsum("bshk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+        out = shard(jnp.einsum("bshk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+        return checkpoint_name(out, "attn_out")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import MoEConfig
 from maxmoe.model.layers import MLP, param
@@ -33,10 +34,13 @@ class MoE(nnx.Module):
         logits = x.astype(jnp.float32) @ self.router[...]
         bias = None if self.bias is None else self.bias[...]
         idx, weights, aux = route(logits, self.cfg, bias)
+        # named for the save_named / offload_named remat policies (transformer.py)
+        idx, weights = (checkpoint_name(t, "moe_dispatch") for t in (idx, weights))
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
         y, aux["dropped_fraction"] = routed_experts(
             x, shard(idx, ("batch", "seq", None)), shard(weights, ("batch", "seq", None)),
             c(self.gate), c(self.up), c(self.down), self.cfg)
+        y = checkpoint_name(y, "moe_combine")
         if self.shared is not None:
             y = y + self.shared(x)
         return shard(y, ("batch", "seq", "act_embed")), aux

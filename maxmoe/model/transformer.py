@@ -7,6 +7,8 @@ the stacks run in order. So first-k-dense (DeepSeek), every-Nth-MoE and explicit
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -18,11 +20,22 @@ from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
 from maxmoe.model.router import updated_bias
+from maxmoe.parallel.pipeline import num_stages, run_pipeline
 from maxmoe.sharding import shard
 
-REMAT_POLICIES = {
+# tensors tagged with jax.ad_checkpoint.checkpoint_name in attention.py, mla.py and moe.py
+SAVED_NAMES = ("qkv_proj", "attn_out", "moe_dispatch", "moe_combine")
+
+REMAT_POLICIES = {  # model.remat_policy -> jax.checkpoint policy ("none" = no jax.checkpoint)
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # keep the tagged tensors, recompute the rest (norms, activations, expert internals)
+    "save_named": jax.checkpoint_policies.save_only_these_names(*SAVED_NAMES),
+    # the same tensors, moved to host memory after the forward pass and back for the backward
+    # (XLA:CPU runs it but moves nothing: the placement is lowered only on GPU/TPU)
+    "offload_named": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED_NAMES),
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 
@@ -57,10 +70,8 @@ def _stack(n: int, make, rngs: nnx.Rngs):
     return build(rngs)
 
 
-def run_stack(stack, x, segment_ids, positions, *, scan: bool, remat: str):
-    """Applies the stacked blocks in order. scan=False unrolls (same params, same math)."""
-    graphdef, state = nnx.split(stack)
-
+def run_layers(graphdef, state, x, segment_ids, positions, *, scan: bool, remat: str):
+    """Applies stacked layers (state leaves [L, ...]) in order. scan=False unrolls (same math)."""
     def body(h, layer_state):
         return nnx.merge(graphdef, layer_state)(h, segment_ids, positions)
 
@@ -76,6 +87,17 @@ def run_stack(stack, x, segment_ids, positions, *, scan: bool, remat: str):
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxs)
 
 
+def run_stack(stack, x, segment_ids, positions, *, scan: bool, remat: str,
+              pipeline: tuple[int, int] | None = None):
+    """Applies a stacked module's layers; pipeline=(microbatches, repeats) runs it pipelined."""
+    run = functools.partial(run_layers, scan=scan, remat=remat)
+    if pipeline is not None:
+        return run_pipeline(stack, x, segment_ids, positions, run_layers=run,
+                            microbatches=pipeline[0], repeats=pipeline[1])
+    graphdef, state = nnx.split(stack)
+    return run(graphdef, state, x, segment_ids, positions)
+
+
 def layer_groups(model: ModelConfig) -> list[tuple[bool, int, int]]:
     """(is_moe, first layer, number of layers) for each run of consecutive same-kind layers."""
     dense = set(model.dense_layer_indices)
@@ -88,6 +110,20 @@ def layer_groups(model: ModelConfig) -> list[tuple[bool, int, int]]:
         else:
             groups.append((is_moe, i, 1))
     return groups
+
+
+def pipeline_plan(model: ModelConfig, layers: int) -> tuple[int, int] | None:
+    """(microbatches, repeats) if a group of `layers` layers is pipelined on this mesh.
+
+    A group is pipelined when the stages x repeats divide its layers; other groups (e.g. a
+    first dense layer) run on every stage with replicated work.
+    """
+    stages = num_stages()
+    repeats = model.pipeline_repeats if model.pipeline_schedule == "circular" else 1
+    if stages == 1 or layers % (stages * repeats):
+        return None
+    microbatches = stages if repeats > 1 else (model.pipeline_microbatches or stages)
+    return microbatches, repeats
 
 
 def _join(auxs: list[dict], key: str):
@@ -127,8 +163,9 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         run = dict(scan=self.cfg.scan_layers, remat=self.cfg.remat_policy)
         moe_auxs, dense_auxs = [], []
-        for (is_moe, _, _), stack in zip(layer_groups(self.cfg), self.layer_groups):
-            x, group_aux = run_stack(stack, x, segment_ids, positions, **run)
+        for (is_moe, _, n), stack in zip(layer_groups(self.cfg), self.layer_groups):
+            x, group_aux = run_stack(stack, x, segment_ids, positions,
+                                     pipeline=pipeline_plan(self.cfg, n), **run)
             (moe_auxs if is_moe else dense_auxs).append(group_aux)
         aux: dict = {}
         if dense_auxs:
@@ -156,6 +193,8 @@ class Transformer(nnx.Module):
         ce = _cross_entropy(self.logits(x), batch["targets"], mask)
         total = ce
         metrics = {"ce_loss": ce}
+        if "dense_activation_rms" in aux:  # [L_dense]; MoE layers' RMS follow below
+            metrics["dense_activation_rms"] = aux["dense_activation_rms"]
         if self.mtp is not None:
             mtp_loss, mtp_aux = self._mtp_loss(x, batch)
             total = total + self.cfg.mtp_loss_weight * mtp_loss

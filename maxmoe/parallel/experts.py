@@ -152,8 +152,10 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
     wspec_out = P(ep or None, tp or None, None)
     capacity_mode = cfg.dispatch == "capacity"
 
+    # check_vma off: under the pipeline's vmap (spmd_axis_name) the varying-axes inference
+    # wrongly flags outputs as varying over the stage axis; the equivalence tests pin the specs
     @functools.partial(jax.shard_map, in_specs=(tok, tok, tok, wspec_in, wspec_in, wspec_out),
-                       out_specs=(tok, P()))
+                       out_specs=(tok, P()), check_vma=False)
     def body(x, idx, w, wg, wu, wd):
         b, s, d = x.shape
         xf, idx, w = x.reshape(-1, d), idx.reshape(b * s, -1), w.reshape(b * s, -1)
@@ -177,7 +179,9 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
             y = jax.lax.psum(y, replicated + tp)
         # each batch shard counts its own tokens once; other axes hold identical counts
         dropped = jax.lax.psum(dropped, batch) if batch else dropped
-        others = tuple(a for a in current_mesh().axis_names if a not in batch)
+        # (stage axes excluded: under the pipeline's vmap each stage has its own tokens)
+        others = tuple(a for a in current_mesh().axis_names
+                       if a not in batch and a not in mesh_axes("stage"))
         dropped = jax.lax.pmax(dropped, others) if others else dropped
         return y.astype(x.dtype).reshape(b, s, d), dropped
 

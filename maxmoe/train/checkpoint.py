@@ -1,9 +1,15 @@
 """Async, atomic checkpoints of the train state and the data iterator (Orbax + Grain).
 
-A step directory `<dir>/<step>/` holds two items: `state` (a pytree of jax.Arrays) and,
-optionally, `data` (the Grain iterator position, one JSON file per process). Orbax writes
-into `<step>.orbax-checkpoint-tmp-*` and renames it only after the commit, so a crash
-mid-save leaves the previous step restorable and the debris is removed on the next start.
+A step directory `<dir>/<step>/` holds the items `state` (a pytree of jax.Arrays: params,
+optimizer state, step, router buffers, loss-scale/guard state, whatever the train state
+holds), and optionally `data` (the Grain iterator position, one JSON file per process),
+`config` (the resolved config, JSON), `meta` (JSON: the data layout the iterator position
+belongs to) and `metrics` (the eval loss that ranks `keep_best`). Orbax writes into
+`<step>.orbax-checkpoint-tmp-*` and renames it only after the commit, so a crash mid-save
+leaves the previous step restorable and the debris is removed on the next start.
+
+`resume()` restores the newest step that reads back; a step that fails is reported and
+moved aside to `<dir>.quarantine/` (never deleted), and the next older one is tried.
 
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     if ckpt.latest_step() is not None:
@@ -16,12 +22,17 @@ mid-save leaves the previous step restorable and the debris is removed on the ne
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
@@ -29,7 +40,72 @@ from maxmoe.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
-STATE, DATA = "state", "data"  # item (sub-directory) names inside a step directory
+# item (sub-directory) names inside a step directory
+STATE, DATA, CONFIG, META = "state", "data", "config", "meta"
+EVAL_LOSS = "eval_loss"  # the metric keep_best ranks by (lower is better)
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What `Checkpointer.resume` found."""
+    state: Any
+    step: int
+    data_iterator: Any  # moved to the saved position if data_restored, else fresh
+    data_restored: bool  # False: no iterator state, or saved for another data layout
+    quarantined: list[Path]  # step directories that failed to restore and were moved aside
+
+
+class _IteratorSnapshot:
+    """A Grain iterator's position frozen at creation, in the form Grain's handler writes."""
+
+    def __init__(self, iterator: Any):
+        state = iterator.get_state()  # DataLoader iterators give bytes, datasets a dict
+        self._state = state if isinstance(state, bytes) else json.dumps(state, indent=4).encode()
+
+    def get_state(self) -> bytes:
+        return self._state
+
+
+def _restore_iterator(iterator: Any, directory: Path) -> None:
+    """Grain's CheckpointRestore, minus its JSON trap: packing states hold tuples.
+
+    grain 0.2.18's concat-then-split packing compares `remainder_slices` with the tuple
+    (-1, -1); after a JSON round trip they are lists, it believes a remainder is pending
+    and resumes a few rows off. Tuples are put back here.
+    """
+    path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    text = path.read_text()
+    if not isinstance(iterator, grain.DatasetIterator):
+        iterator.set_state(text.encode())  # DataLoader iterators take their bytes back
+        return
+
+    def tuples(obj: dict) -> dict:
+        if isinstance(obj.get("remainder_slices"), dict):
+            obj["remainder_slices"] = {k: tuple(v) if isinstance(v, list) else v
+                                       for k, v in obj["remainder_slices"].items()}
+        return obj
+
+    iterator.set_state(json.loads(text, object_hook=tuples))
+
+
+def _eval_loss(metrics: dict) -> float:
+    return float(metrics[EVAL_LOSS])
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    """True only if `ok` on every process (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def abstract_like(tree: Any, shardings: Any = None) -> Any:
@@ -55,7 +131,8 @@ def abstract_like(tree: Any, shardings: Any = None) -> Any:
 
 
 class Checkpointer:
-    """Saves every `cfg.every_steps` steps, keeps the `cfg.keep` newest, restores with resharding.
+    """Saves every `cfg.every_steps` steps, keeps the `cfg.keep` newest (plus the
+    `cfg.keep_best` lowest eval losses), restores with resharding.
 
     Every process of a multi-host job must make the same calls (Orbax synchronises them).
     """
@@ -72,8 +149,15 @@ class Checkpointer:
                 ocm.FixedIntervalPolicy(cfg.every_steps),
                 ocm.PreemptionCheckpointingPolicy(),
             ]),
-            # LatestN, not max_to_keep (+best_fn), which can delete the newest step.
-            preservation_policy=ocm.LatestN(cfg.keep),
+            # LatestN (+ BestN), not max_to_keep + best_fn, which can delete the newest step.
+            preservation_policy=ocm.AnyPreservationPolicy([
+                ocm.LatestN(cfg.keep),
+                *([ocm.BestN(get_metric_fn=_eval_loss, reverse=True, n=cfg.keep_best,
+                             keep_checkpoints_without_metrics=False)] if cfg.keep_best else []),
+            ]),
+            # only with keep_best: makes Orbax write the `metrics` item that BestN reads
+            best_fn=_eval_loss if cfg.keep_best else None,
+            best_mode="min",
             # Removes `*.orbax-checkpoint-tmp-*` left by a kill -9 mid-save.
             cleanup_tmp_directories=True,
             enable_async_checkpointing=cfg.async_save,
@@ -88,13 +172,17 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, data_iterator: Any = None, *, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, data_iterator: Any = None, *, force: bool = False,
+             config: dict | None = None, meta: dict | None = None,
+             metrics: dict | None = None) -> bool:
         """Starts saving `state` (and the iterator position) at `step`; True if a save started.
 
         Saves when step is a multiple of cfg.every_steps, or always with force=True (e.g. the
         last step, or on SIGTERM). Never overwrites: a step that already exists, or one not
         newer than the latest (without force), is skipped. When this returns, the arrays are
         already copied to host memory, so `state` may be donated to the next train step.
+        config / meta: JSON-able dicts stored alongside (the resolved config; the data layout
+        `resume` compares). metrics: {"eval_loss": x} ranks the step for cfg.keep_best.
         """
         if not self.cfg.enabled:
             return False
@@ -104,10 +192,17 @@ class Checkpointer:
             return False
         args = {STATE: ocp.args.StandardSave(state)}
         if data_iterator is not None:
-            # The iterator position is read synchronously inside this call (Grain's handler
-            # is not async), so advancing the iterator afterwards is safe.
-            args[DATA] = grain.checkpoint.CheckpointSave(data_iterator)
-        return self._manager.save(step, args=ocp.args.Composite(**args), force=force)
+            # Orbax may run Grain's handler later in its background thread, when the live
+            # iterator has moved on: hand it the position as of now.
+            args[DATA] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator))
+        if config is not None:
+            args[CONFIG] = ocp.args.JsonSave(config)
+        if meta is not None:
+            args[META] = ocp.args.JsonSave(meta)
+        if metrics is not None and not self.cfg.keep_best:
+            metrics = None  # Orbax writes metrics only when it ranks by them
+        return self._manager.save(step, args=ocp.args.Composite(**args), force=force,
+                                  metrics=metrics)
 
     def restore(self, abstract_state: Any, data_iterator: Any = None,
                 step: int | None = None) -> tuple[Any, int]:
@@ -133,10 +228,70 @@ class Checkpointer:
             if not (self.directory / str(step) / DATA).is_dir():
                 raise ValueError(f"checkpoint {self.directory / str(step)} has no data iterator "
                                  "state; restore without data_iterator")
-            args[DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+        if data_iterator is not None:
+            _restore_iterator(data_iterator, self.directory / str(step) / DATA)
         log.info("restored checkpoint step %d from %s", step, self.directory)
         return restored[STATE], step
+
+    def read_json(self, step: int, item: str) -> dict | None:
+        """A JSON item (CONFIG or META) of a committed step; None if the step has none."""
+        if not (self.directory / str(step) / item).is_dir():
+            return None
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            **{item: ocp.args.JsonRestore()}))
+        return restored[item]
+
+    def resume(self, abstract_state: Any, new_iterator: Callable[[], Any] | None = None,
+               meta: dict | None = None) -> Resumed | None:
+        """Restores the newest step that reads back; None if there is none (start fresh).
+
+        new_iterator: builds a fresh data iterator; its position is restored only when the
+        step's saved `meta` equals `meta` (Grain's state is tied to the process and worker
+        counts and the pipeline), else `data_restored` is False and the caller decides (the
+        train loop skips `step` batches). A step that fails to restore is named in a warning
+        and moved to `<dir>.quarantine/`, and the next older step is tried. All processes
+        agree on each outcome, so they resume from the same step.
+        """
+        self._manager.wait_until_finished()
+        quarantined = []
+        for step in reversed(self.all_steps()):
+            iterator = new_iterator() if new_iterator is not None else None
+            try:
+                state, _ = self.restore(abstract_state, step=step)
+                saved_meta = self.read_json(step, META)
+                with_data = (iterator is not None and (self.directory / str(step) / DATA).is_dir()
+                             and (saved_meta is None or saved_meta == meta))
+                if with_data:
+                    _restore_iterator(iterator, self.directory / str(step) / DATA)
+                error = None
+            except Exception as e:  # noqa: BLE001 - any failure to read back = a bad step
+                error = e
+            if _all_processes_ok(error is None):
+                return Resumed(state, step, iterator, with_data, quarantined)
+            quarantined.append(self._quarantine(step, error))
+        return None
+
+    def _quarantine(self, step: int, error: BaseException | None) -> Path:
+        """Moves a step that failed to restore out of the manager's sight, keeping its files."""
+        source = self.directory / str(step)
+        target = self.directory.with_name(self.directory.name + ".quarantine") / str(step)
+        if target.exists():
+            target = target.with_name(f"{step}-{int(time.time())}")
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if error else \
+            "another process failed to read it"
+        log.warning("checkpoint %s is corrupt or incomplete (%s); moved it to %s and trying "
+                    "the previous step", source, reason, target)
+        if jax.process_index() == 0:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source.rename(target)
+        _sync(f"maxmoe_quarantine_{step}")
+        self._manager.reload()
+        return target
+
+    def reached_preemption(self, step: int) -> bool:
+        """True on every process once any one got SIGTERM (needs jax.distributed; else False)."""
+        return self._manager.reached_preemption(step)
 
     def wait(self) -> None:
         """Blocks until every started save is committed (and old steps are deleted)."""

@@ -1,4 +1,14 @@
-"""The training loop: data -> jitted step -> metrics -> async checkpoints, with auto-resume."""
+"""The training loop: data -> jitted step -> metrics -> async checkpoints, with auto-resume.
+
+Fault tolerance (README "Multi-host launch and fault tolerance"):
+- resume: the newest checkpoint that reads back (corrupt ones are moved aside, see
+  Checkpointer.resume); bit-exact on the same mesh and process layout;
+- another process count, worker count or data config than the checkpoint's: params and
+  optimizer state are resharded exactly, and the data restarts from the new layout's stream
+  with its first `step` batches skipped on every process (not the same rows as before);
+- SIGTERM: every process stops after the same step, saves it and returns with
+  summary["preempted"] = True (the CLI then exits with code 75).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +20,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from maxmoe.config import Config, ConfigError, save_config
+from maxmoe.config import Config, ConfigError, dcn_sizes, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.metrics.flops import flops_per_token, peak_flops
 from maxmoe.metrics.writers import MetricsWriter
-from maxmoe.sharding import make_mesh
-from maxmoe.train.checkpoint import Checkpointer
+from maxmoe.model.transformer import layer_groups
+from maxmoe.parallel.pipeline import describe as describe_pipeline
+from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
+from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.step import make_trainer
 
 
@@ -31,17 +44,61 @@ def log(msg: str) -> None:
 
 
 class _Preemption:
-    """SIGTERM sets a flag; the loop saves the current step and exits cleanly."""
+    """Has any process been sent SIGTERM? Every process gets the same answer at each step.
 
-    def __init__(self):
-        self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+    Several processes: jax.distributed's preemption service catches SIGTERM on whichever
+    process gets it and makes `reached_preemption(step)` true on all of them at the same step
+    (a Python handler here would shadow it). One process: a handler sets a flag.
+    """
+
+    def __init__(self, ckpt: Checkpointer):
+        self._ckpt = ckpt
+        self._signalled = False
+        self._previous = None
+        if jax.process_count() == 1:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, *_):
-        self.requested = True
+        self._signalled = True
+
+    def reached(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            return self._ckpt.reached_preemption(step)
+        return self._signalled
 
     def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def data_layout(cfg: Config) -> dict:
+    """What a saved iterator position depends on; resume restores it only if this matches."""
+    return {"process_count": jax.process_count(), "data": to_dict(cfg)["data"]}
+
+
+def make_evaluator(cfg: Config, trainer, tokenizer):
+    """() -> mean validation loss over cfg.train.eval_batches batches (the same ones each time)."""
+    from flax import nnx
+
+    dataset = make_dataset(cfg.data, tokenizer, split="validation", num_epochs=1,
+                           process_index=jax.process_index(), process_count=jax.process_count())
+
+    @jax.jit
+    def batch_loss(state, batch):
+        buffers = (state["buffers"],) if "buffers" in state else ()
+        # next-token cross-entropy only: the auxiliary MoE losses are not a language metric
+        return nnx.merge(trainer.graphdef, state["params"], *buffers).loss(batch)[1]["ce_loss"]
+
+    def evaluate(state) -> float:
+        losses = []
+        with use_mesh(trainer.mesh, trainer.rules):
+            for i, local in enumerate(dataset):
+                if i == cfg.train.eval_batches:
+                    break
+                losses.append(batch_loss(state, global_batch(local, trainer.batch_sharding)))
+        return float(np.mean(jax.device_get(losses)))
+
+    return evaluate
 
 
 def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
@@ -57,25 +114,46 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
         raise ConfigError(f"config key 'model.vocab_size' = {cfg.model.vocab_size}: the tokenizer "
                           f"at {tokenizer.path} has {tokenizer.vocab_size} tokens; set "
                           f"model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
-    data_iter = iter(make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
-                                  process_count=jax.process_count()))
-    mesh = make_mesh(mesh_sizes)
+    dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
+                           process_count=jax.process_count())
+    mesh = make_mesh(mesh_sizes, dcn=dcn_sizes(cfg))
     trainer = make_trainer(cfg, mesh)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    layout, config_json = data_layout(cfg), to_dict(cfg)
+    preemption = _Preemption(ckpt)  # from here on, SIGTERM means: save after the next step
 
-    if ckpt.latest_step() is not None:
-        t = time.perf_counter()
-        state, start = ckpt.restore(trainer.abstract_state, data_iter)
-        log(f"resumed from {ckpt.directory / str(start)} in {time.perf_counter() - t:.1f}s")
+    t = time.perf_counter()
+    resumed = ckpt.resume(trainer.abstract_state, lambda: iter(dataset), layout)
+    for bad in resumed.quarantined if resumed else []:
+        log(f"warning: checkpoint step {bad.name} could not be restored (corrupt or "
+            f"incomplete); moved it to {bad}")
+    if resumed is not None:
+        state, start, data_iter = resumed.state, resumed.step, resumed.data_iterator
+        resume_s = time.perf_counter() - t
+        log(f"resumed from {ckpt.directory / str(start)} in {resume_s:.1f}s")
+        if not resumed.data_restored:
+            # Grain's position is per process and worker: with another layout, continue the
+            # new layout's stream after its first `start` batches (see the module docstring)
+            t = time.perf_counter()
+            for _ in range(start):
+                next(data_iter)
+            log(f"data: the checkpoint's iterator position is for another process count or "
+                f"data config; skipped {start} batches of the new stream in "
+                f"{time.perf_counter() - t:.1f}s instead")
     else:
-        state, start = trainer.init(), 0
+        state, start, data_iter, resume_s = trainer.init(), 0, iter(dataset), None
     total = cfg.train.steps
     shape = " x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1 device"
     log(f"mesh {shape}; run dir {run_dir}; steps {start} -> {total}")
+    pipeline_line = describe_pipeline(cfg.model, mesh_sizes["pipeline"],
+                                      [n for _, _, n in layer_groups(cfg.model)])
+    if pipeline_line:
+        log(pipeline_line)
     if start >= total:
+        preemption.restore()
         ckpt.close()
         log("nothing to do: the run already reached train.steps (raise it to train further)")
-        return {"start_step": start, "final_step": start}
+        return {"start_step": start, "final_step": start, "preempted": False}
 
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     model_flops = flops_per_token(cfg) * tokens_per_step
@@ -83,15 +161,28 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
     log(f"model FLOPs/step {model_flops:.3e}; peak {peak:.3e} FLOP/s ({peak_source})")
     writer = MetricsWriter(run_dir, total_steps=total, start_step=start, enabled=writer_process,
                            progress_bar=cfg.logging.progress_bar)
-    preemption = _Preemption()
-    summary = {"start_step": start, "first_loss": None}
+    evaluate = make_evaluator(cfg, trainer, tokenizer) if cfg.train.eval_every_steps else None
+    guard = Guard(cfg.guard, log)
+    summary = {"start_step": start, "first_loss": None, "preempted": False, "resume_s": resume_s,
+               "save_blocking_s": []}
     window_start, window_steps = None, 0
     t0 = time.perf_counter()
     try:
-        for step in range(start, total):
+        step = start
+        while step < total:  # a guard rollback moves `step` back
             batch = global_batch(next(data_iter), trainer.batch_sharding)
             state, metrics = trainer.step(state, batch)
             done = step + 1
+            decision = guard.observe(done, metrics)  # guards.py: skip / rollback / stop
+            if decision.action is Action.STOP:  # before saving: the last checkpoint stays good
+                raise TrainingStopped(decision.message)
+            if decision.action is not Action.CONTINUE:
+                log(decision.message)
+            if decision.action is Action.ROLLBACK:
+                restored = guard.rollback(done, ckpt, trainer.abstract_state, data_iter)
+                if restored is not None:
+                    state, step = restored
+                    continue
             if window_start is None:  # the first step compiles: time from its end on
                 jax.block_until_ready(metrics)
                 window_start, window_steps = time.perf_counter(), 0
@@ -99,23 +190,34 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
                 summary["first_loss"] = float(metrics["loss"])
             else:
                 window_steps += 1
-            last = done == total or preemption.requested
+            stop = preemption.reached(done)
+            last = done == total or stop
             if done % cfg.logging.every_steps == 0 or last:
                 metrics = jax.device_get(metrics)
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / elapsed if window_steps else 0.0
                 window_start, window_steps = time.perf_counter(), 0
                 record = {k: v for k, v in metrics.items() if np.ndim(v) == 0}
-                record["activation_rms_max"] = float(np.max(metrics.get("activation_rms", 0.0)))
+                record.setdefault("activation_rms_max",  # all layers, from the step (guards)
+                                  float(np.max(metrics.get("activation_rms", 0.0))))
                 record.update(tokens_per_second=tps, mfu=tps / tokens_per_step * model_flops / peak,
                               step_time_s=tokens_per_step / tps if tps else None)
                 writer.write(done, record)
                 summary.update(last_loss=float(metrics["loss"]), tokens_per_second=tps,
                                mfu=record["mfu"])
-            ckpt.save(done, state, data_iter, force=last)
-            if preemption.requested:
+            eval_metrics = None
+            if evaluate is not None and done % cfg.train.eval_every_steps == 0:
+                eval_metrics = {EVAL_LOSS: evaluate(state)}
+                log(f"step {done}: eval loss {eval_metrics[EVAL_LOSS]:.4f}")
+            t = time.perf_counter()
+            if ckpt.save(done, state, data_iter, force=last, config=config_json, meta=layout,
+                         metrics=eval_metrics):
+                summary["save_blocking_s"].append(round(time.perf_counter() - t, 3))
+            if stop:
+                summary["preempted"] = done < total
                 log(f"SIGTERM: saved step {done}, exiting")
                 break
+            step = done
     finally:
         preemption.restore()
         writer.close()

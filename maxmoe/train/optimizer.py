@@ -1,8 +1,11 @@
-"""AdamW with linear warmup + cosine decay and global-norm clipping (optax)."""
+"""AdamW with linear warmup + cosine decay and scheduled global-norm clipping (optax)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import optax
 
 from maxmoe.config import OptimizerConfig
@@ -15,6 +18,37 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
         decay_steps=cfg.warmup_steps + decay, end_value=cfg.learning_rate * cfg.min_lr_ratio)
 
 
+def clip_norm_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Constant grad_clip_norm, or a linear decay to grad_clip_end_norm (then held)."""
+    if not cfg.grad_clip_end_norm:
+        return optax.constant_schedule(cfg.grad_clip_norm)
+    return optax.linear_schedule(cfg.grad_clip_norm, cfg.grad_clip_end_norm,
+                                 cfg.grad_clip_decay_steps or max(total_steps, 1))
+
+
+class ClipState(NamedTuple):
+    count: jax.Array  # applied updates so far (a skipped step leaves it, like adam's count)
+
+
+def clip_by_scheduled_global_norm(schedule: optax.Schedule) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm with the max norm read from schedule(count)."""
+
+    def init(params):
+        del params
+        return ClipState(jnp.zeros((), jnp.int32))
+
+    def update(updates, state, params=None):
+        del params
+        norm = optax.global_norm(updates)
+        max_norm = jnp.asarray(schedule(state.count), norm.dtype)
+        # same arithmetic as optax.clip_by_global_norm
+        updates = jax.tree.map(
+            lambda t: jnp.where(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm), updates)
+        return updates, ClipState(optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
 def _decay_mask(params):
     # no weight decay on norm scales (1-D per layer); matrices and embeddings decay
     def keep(path, _):
@@ -23,7 +57,11 @@ def _decay_mask(params):
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(cfg.grad_clip_norm)] if cfg.grad_clip_norm > 0 else []
+    parts = ([clip_by_scheduled_global_norm(clip_norm_schedule(cfg, total_steps))]
+             if cfg.grad_clip_norm > 0 else [])
+    # a bfloat16 first moment halves its memory; the second moment keeps float32 (its range
+    # and the sqrt make it the sensitive one)
     parts.append(optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2,
-                             eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask))
+                             eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask,
+                             mu_dtype=jnp.dtype(cfg.moment_dtype)))
     return optax.chain(*parts)

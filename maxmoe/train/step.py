@@ -1,9 +1,15 @@
 """The train state and the one pure, jitted `train_step(state, batch) -> (state, metrics)`.
 
-The state is a plain pytree {"step", "params", "opt_state"}: params are a pure dict of float32
-master weights (Flax NNX graphdef kept outside), so optax, Orbax and jit all see ordinary
-arrays with explicit shardings. Models with non-trainable variables (the DeepSeek router bias)
-add "buffers": outside the optimizer, updated by the step itself, checkpointed with the rest.
+The state is a plain pytree {"step", "params", "opt_state", "guard"}: params are a pure dict of
+float32 master weights (Flax NNX graphdef kept outside), so optax, Orbax and jit all see
+ordinary arrays with explicit shardings. Models with non-trainable variables (the DeepSeek
+router bias) add "buffers": outside the optimizer, updated by the step itself, checkpointed
+with the rest. float16 (dynamic loss scaling) adds "loss_scale" (precision.py); "guard" holds
+the skip counters and spike statistics (guards.py).
+
+A step whose update is not applied (non-finite gradients, a spike, the gradient-norm ceiling)
+leaves params, optimizer state (so its count and the LR/clip schedules) and buffers bit for
+bit as they were; only "step", the guard counters and the loss scale move.
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
+from maxmoe.model.transformer import layer_groups
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import Transformer
 from maxmoe.sharding import named, spec, state_shardings, use_mesh
+from maxmoe.train.guards import StepGuard, select
 from maxmoe.train.optimizer import learning_rate_schedule, make_optimizer
+from maxmoe.train.precision import all_finite, make_loss_scaler
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -55,13 +64,17 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     has_buffers = bool(jax.tree.leaves(abstract_buffers))
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    scaler = make_loss_scaler(cfg.precision)
+    step_guard = StepGuard.from_config(cfg.guard)
     replicated = NamedSharding(mesh, P())
 
     def init_state():
         _, params, buffers = nnx.split(build_model(cfg, cfg.train.seed), nnx.Param, RouterBias)
         params = nnx.to_pure_dict(params)
         state = {"step": jnp.zeros((), jnp.int32), "params": params,
-                 "opt_state": optimizer.init(params)}
+                 "opt_state": optimizer.init(params), "guard": step_guard.init()}
+        if scaler is not None:
+            state["loss_scale"] = scaler.init()
         return dict(state, buffers=nnx.to_pure_dict(buffers)) if has_buffers else state
 
     abstract = jax.eval_shape(init_state)
@@ -69,7 +82,14 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     opt_shardings = optax.tree_map_params(
         optimizer, lambda _, s: s, abstract["opt_state"], param_shardings,
         transform_non_params=lambda _: replicated)
-    shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    device_opt_shardings = None
+    if cfg.optimizer.offload_state:  # ZeRO-offload analogue: moments live in host memory
+        device_opt_shardings = opt_shardings
+        opt_shardings = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_shardings)
+    shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
+                 "guard": jax.tree.map(lambda _: replicated, abstract["guard"])}
+    if scaler is not None:
+        shardings["loss_scale"] = jax.tree.map(lambda _: replicated, abstract["loss_scale"])
     if has_buffers:
         shardings["buffers"] = nnx.to_pure_dict(state_shardings(abstract_buffers, mesh, rules))
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -77,7 +97,8 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     with use_mesh(mesh, rules):
         batch_sharding = named(("batch", "seq"))
         micro_spec = spec((None, "batch", "seq"))
-    train_step = make_train_step(cfg, graphdef, optimizer, schedule, micro_spec)
+    train_step = make_train_step(cfg, graphdef, optimizer, schedule, micro_spec,
+                                 device_opt_shardings)
 
     def run_in_mesh(fn):
         def wrapped(*args):
@@ -93,19 +114,56 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
                    rules, jitted_step)
 
 
-def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P):
-    """Builds the pure step; every variant (accumulation, precision) is chosen here."""
+def per_layer(metrics: dict, cfg: Config) -> jax.Array | None:
+    """[L (+ MTP)] residual RMS in layer order, from the model's per-kind arrays."""
+    dense, moe = metrics.get("dense_activation_rms"), metrics.get("activation_rms")
+    parts, used = [], {"dense": 0, "moe": 0}
+    for is_moe, _, n in layer_groups(cfg.model):
+        kind, values = ("moe", moe) if is_moe else ("dense", dense)
+        if values is None:
+            return None
+        parts.append(values[used[kind]:used[kind] + n])
+        used[kind] += n
+    if moe is not None and moe.shape[0] > used["moe"]:
+        parts.append(moe[used["moe"]:])  # MTP blocks come last
+    return jnp.concatenate(parts)
+
+
+def update_ratios(updates, params) -> jax.Array:
+    """[L] |update| / |param| per decoder layer (stacked layer groups, in layer order)."""
+    ratios = []
+    for group in sorted(params["layer_groups"]):
+        def sq(tree):
+            return sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+                       for x in jax.tree.leaves(tree))
+        u, p = sq(updates["layer_groups"][group]), sq(params["layer_groups"][group])
+        ratios.append(jnp.sqrt(u / jnp.maximum(p, 1e-30)))
+    return jnp.concatenate(ratios)
+
+
+def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
+                    device_opt_shardings=None):
+    """Builds the pure step; every variant (accumulation, precision, offload) is chosen here.
+
+    device_opt_shardings: the optimizer state's device shardings when it is kept in host
+    memory (the step moves it in, updates it on the device, and out_shardings move it back).
+    """
     accum = cfg.train.grad_accum_steps
     bias_speed = cfg.moe.bias_update_speed
+    scaler = make_loss_scaler(cfg.precision)
+    step_guard = StepGuard.from_config(cfg.guard)
 
-    def loss_fn(params, batch, buffers):
-        return nnx.merge(graphdef, params, *buffers).loss(batch)
+    def loss_fn(params, batch, buffers, scale_state):
+        loss, metrics = nnx.merge(graphdef, params, *buffers).loss(batch)
+        if scaler is not None:  # float16: scale so small gradients survive the backward pass
+            loss = scaler.scale(loss, scale_state)
+        return loss, metrics
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def gradients(params, batch, buffers):
+    def gradients(params, batch, buffers, scale_state):
         if accum == 1:
-            (_, metrics), grads = grad_fn(params, batch, buffers)
+            (_, metrics), grads = grad_fn(params, batch, buffers, scale_state)
             return grads, metrics
 
         def split(x):  # [B, ...] -> [A, B/A, ...]; microbatch j takes rows j, j+A, ...
@@ -113,12 +171,12 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P):
             return jax.lax.with_sharding_constraint(x, P(*micro_spec[: x.ndim]))
 
         def body(acc, micro):
-            (_, metrics), grads = grad_fn(params, micro, buffers)
+            (_, metrics), grads = grad_fn(params, micro, buffers, scale_state)
             return jax.tree.map(jnp.add, acc, (grads, metrics)), None
 
         micro = jax.tree.map(split, batch)
         (_, metric_shapes), grad_shapes = jax.eval_shape(
-            grad_fn, params, jax.tree.map(lambda x: x[0], micro), buffers)
+            grad_fn, params, jax.tree.map(lambda x: x[0], micro), buffers, scale_state)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grad_shapes, metric_shapes))
         (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
         return jax.tree.map(lambda x: x / accum, (grads, metrics))
@@ -126,19 +184,44 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P):
     def train_step(state, batch):
         params = state["params"]
         buffers = (state["buffers"],) if "buffers" in state else ()
-        grads, metrics = gradients(params, batch, buffers)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        scale_state = state.get("loss_scale")
+        grads, metrics = gradients(params, batch, buffers, scale_state)
+        if scaler is not None:
+            grads = scaler.unscale(grads, scale_state)
+        finite = all_finite(grads)
+        grad_norm = optax.global_norm(grads)
+        opt_state = state["opt_state"]
+        if device_opt_shardings is not None:
+            opt_state = jax.device_put(opt_state, device_opt_shardings)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads),
-                       learning_rate=schedule(state["step"]),
-                       param_norm=optax.global_norm(new_params))
-        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
+        apply, guard_state, guard_metrics = step_guard.check(
+            state["guard"], metrics["loss"], grad_norm, finite)
+        # the optimizer's own count drives the LR and clip schedules: it is the applied steps
+        applied_before = state["step"] - state["guard"]["skipped_steps"]
+        layer_ratio = update_ratios(updates, params)
+        metrics = dict(metrics, **{k: v.astype(jnp.int32) if v.dtype == jnp.bool_ else v
+                                   for k, v in guard_metrics.items()},
+                       grad_norm=grad_norm, learning_rate=schedule(applied_before),
+                       update_ratio=layer_ratio, update_ratio_max=jnp.max(layer_ratio))
+        rms = per_layer(metrics, cfg)
+        if rms is not None:
+            metrics.update(layer_activation_rms=rms, activation_rms_max=jnp.max(rms))
+        new_params = select(apply, new_params, params)
+        metrics["param_norm"] = optax.global_norm(new_params)
+        new_state = {"step": state["step"] + 1, "params": new_params,
+                     "opt_state": select(apply, new_opt_state, opt_state), "guard": guard_state}
+        if scaler is not None:
+            new_state["loss_scale"], at_min = scaler.update(scale_state, finite)
+            metrics.update(loss_scale=new_state["loss_scale"]["scale"],
+                           loss_scale_at_min=at_min.astype(jnp.int32))
         if buffers:
             new_state["buffers"] = buffers[0]
             if bias_speed:  # aux-loss-free balancing: once per optimizer step, from this load
                 model = nnx.merge(graphdef, new_params, buffers[0])
                 model.update_router_bias(metrics["expert_load"], bias_speed)
-                new_state["buffers"] = nnx.to_pure_dict(nnx.state(model, RouterBias))
+                new_state["buffers"] = select(
+                    apply, nnx.to_pure_dict(nnx.state(model, RouterBias)), buffers[0])
         return new_state, metrics
 
     return train_step

@@ -241,6 +241,23 @@ def test_interleaved_streams_mix_documents_and_resume(text_setup):
     _assert_same(expected, _take(resumed, 6))
 
 
+@pytest.mark.parametrize("processes, streams", [(2, 2), (4, 1)])
+def test_global_batch_independent_of_process_count(text_setup, processes, streams):
+    """global_batch_size = processes x streams: the processes' batches, concatenated in
+    process order (make_array_from_process_local_data's row order), equal one process's
+    batches with processes x streams streams, row for row."""
+    cfg, tokenizer, _ = text_setup
+    total = processes * streams
+    cfg = dataclasses.replace(cfg, global_batch_size=total)
+    alone = _take(make_dataset(dataclasses.replace(cfg, streams=total), tokenizer), 8)
+    shares = [_take(make_dataset(dataclasses.replace(cfg, streams=streams), tokenizer,
+                                 process_index=i, process_count=processes), 8)
+              for i in range(processes)]
+    joined = [{k: np.concatenate([share[n][k] for share in shares]) for k in alone[n]}
+              for n in range(8)]
+    _assert_same(alone, joined)
+
+
 def test_validation_finite_padded_and_disjoint(text_setup):
     cfg, tokenizer, texts = text_setup
     batches = _take(make_dataset(cfg, tokenizer, split="validation"))

@@ -96,3 +96,13 @@ def test_attention_never_crosses_documents():
     first = batch["segment_ids"] == 1
     np.testing.assert_array_equal(np.asarray(logits)[first], np.asarray(logits2)[first])
     assert not np.allclose(np.asarray(logits)[~first], np.asarray(logits2)[~first])
+
+
+def test_fused_attention_equals_einsum():
+    """Reference: the einsum path; float32, tolerance 1e-5 (same math, other kernel)."""
+    cfg, _ = small_config()
+    fused_cfg, _ = small_config("attention.implementation=fused")
+    batch = random_batch(cfg)
+    ref, _ = build_model(cfg, 0)(batch["tokens"], batch["segment_ids"], batch["positions"])
+    got, _ = build_model(fused_cfg, 0)(batch["tokens"], batch["segment_ids"], batch["positions"])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)

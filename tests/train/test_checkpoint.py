@@ -143,3 +143,41 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
             ckpt.restore(abstract_like(state), step=2)
         with pytest.raises(ValueError, match="no data iterator state"):
             ckpt.restore(abstract_like(state), make_iterator())
+
+
+def test_corrupt_latest_is_moved_aside_and_the_previous_step_resumes(tmp_path, caplog):
+    state, abstract = make_state(mesh((2, 4))), None
+    abstract = abstract_like(state)
+    with Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state, make_iterator(), meta={"layout": 1})
+    # a truncated array file in the newest step, unreadable metadata in the one before
+    for f in (tmp_path / "ckpt" / "3" / "state").rglob("*"):
+        if f.is_file() and f.stat().st_size > 0:
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    (tmp_path / "ckpt" / "2" / "state" / "_METADATA").write_text("{not json")
+    with Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1)) as ckpt:
+        resumed = ckpt.resume(abstract, make_iterator, meta={"layout": 1})
+        assert resumed.step == 1 and resumed.data_restored
+        assert_same(resumed.state, state)
+        assert [p.name for p in resumed.quarantined] == ["3", "2"]
+        assert ckpt.all_steps() == [1]
+        # another data layout: the state restores, the iterator is left fresh
+        other = ckpt.resume(abstract, make_iterator, meta={"layout": 2})
+        assert other.step == 1 and not other.data_restored
+    assert "checkpoint %s is corrupt" in caplog.records[0].msg and "/ckpt/3" in caplog.text
+    quarantine = tmp_path / "ckpt.quarantine"
+    assert sorted(p.name for p in quarantine.iterdir()) == ["2", "3"]  # kept, not deleted
+
+
+def test_keeps_latest_and_best_by_eval_loss(tmp_path):
+    state = make_state(mesh((2, 4)))
+    cfg = CheckpointConfig(every_steps=1, keep=2, keep_best=1, async_save=False)
+    losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5, 5: 4.0, 6: None}
+    with Checkpointer(tmp_path, cfg) as ckpt:
+        for step, loss in losses.items():
+            ckpt.save(step, state, metrics=None if loss is None else {"eval_loss": loss})
+        ckpt.wait()
+        assert ckpt.all_steps() == [2, 5, 6]  # best (2) + the 2 newest, even without a metric
+    with Checkpointer(tmp_path, cfg) as ckpt:
+        assert ckpt.resume(abstract_like(state)).step == 6

@@ -1,0 +1,60 @@
+"""Scheduled gradient clipping, the bfloat16 first moment, and the new config checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from maxmoe.config import ConfigError, OptimizerConfig, load_config, validate
+from maxmoe.train.optimizer import (clip_by_scheduled_global_norm, clip_norm_schedule,
+                                    make_optimizer)
+
+
+def test_constant_schedule_matches_optax_clip_by_global_norm():
+    grads = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.full((4,), -3.0)}
+    ours = clip_by_scheduled_global_norm(optax.constant_schedule(2.0))
+    got, _ = ours.update(grads, ours.init(grads))
+    want, _ = optax.clip_by_global_norm(2.0).update(grads, optax.EmptyState())
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_clip_norm_decays_linearly_then_holds():
+    cfg = OptimizerConfig(grad_clip_norm=1.0, grad_clip_end_norm=0.3, grad_clip_decay_steps=10)
+    schedule = clip_norm_schedule(cfg, total_steps=100)
+    np.testing.assert_allclose([schedule(s) for s in (0, 5, 10, 50)], [1.0, 0.65, 0.3, 0.3],
+                               rtol=1e-6)
+    clip = clip_by_scheduled_global_norm(schedule)
+    state = clip.init(None)
+    grads = {"g": jnp.full((4,), 10.0)}  # norm 20: always clipped
+    norms = []
+    for _ in range(11):
+        out, state = clip.update(grads, state)
+        norms.append(float(optax.global_norm(out)))
+    np.testing.assert_allclose(norms[0], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(norms[10], 0.3, rtol=1e-5)
+    assert np.all(np.diff(norms) < 0)
+    assert make_optimizer(OptimizerConfig(grad_clip_norm=0.0), 10)  # clipping off
+
+
+def test_bfloat16_first_moment():
+    params = {"w": jnp.ones((3, 2))}
+    state = make_optimizer(OptimizerConfig(moment_dtype="bfloat16"), 10).init(params)
+    dtypes = {jax.tree_util.keystr(p): x.dtype
+              for p, x in jax.tree_util.tree_leaves_with_path(state) if x.ndim == 2}
+    assert sorted(str(d) for d in dtypes.values()) == ["bfloat16", "float32"], dtypes  # mu, nu
+
+
+@pytest.mark.parametrize("override, key", [
+    ("precision.loss_scaling=none", "precision.loss_scaling"),  # with float16
+    ("precision.loss_scale_window=0", "precision.loss_scale_window"),
+    ("optimizer.moment_dtype=float16", "optimizer.moment_dtype"),
+    ("guard.spike_action=panic", "guard.spike_action"),
+    ("guard.spike_window=1", "guard.spike_window"),
+    ("model.remat_policy=selective", "model.remat_policy"),
+])
+def test_invalid_settings_name_their_key(override, key):
+    cfg, origins = load_config([], ["precision.compute_dtype=float16", override])
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        validate(cfg, 8, origins)

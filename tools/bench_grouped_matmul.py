@@ -1,0 +1,68 @@
+"""Grouped matmul alone vs a dense matmul of the same FLOPs: the ceiling of MoE dispatch.
+
+python tools/bench_grouped_matmul.py [--tokens 32768 --dim 1024 --ffn 512 --experts 64 --topk 6
+                                       --dtype bfloat16]
+Prints one line per implementation (forward and forward+backward TFLOP/s, ratio to dense) and
+a JSON line. Routing is uniform-random top-k, as in a balanced MoE layer.
+"""
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxmoe.parallel.experts import dropless_local
+
+
+def timed(f, *args, repeats=10):
+    f = jax.jit(f)
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args()
+    dt = jnp.dtype(a.dtype)
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (a.tokens, a.dim), dt)
+    wg = (0.02 * jax.random.normal(keys[1], (a.experts, a.dim, a.ffn))).astype(dt)
+    wd = (0.02 * jax.random.normal(keys[2], (a.experts, a.ffn, a.dim))).astype(dt)
+    weights, idx = jax.lax.top_k(jax.random.uniform(keys[3], (a.tokens, a.experts)), a.topk)
+    flops = 3 * 2 * a.tokens * a.topk * a.dim * a.ffn  # gate, up, down
+    results = {}
+
+    def report(name, fwd, both):
+        results[name] = {"forward_tflops": flops / fwd / 1e12, "train_tflops": 3 * flops / both / 1e12}
+
+    xd = jnp.tile(x, (a.topk, 1))  # dense: the same rows x K through one expert's weights
+    dense = lambda x, wg, wd: (jax.nn.silu(x @ wg[0]) * (x @ wg[0])) @ wd[0]  # noqa: E731
+    report("dense", timed(dense, xd, wg, wd),
+           timed(jax.grad(lambda *t: dense(*t).astype(jnp.float32).sum(), (0, 1, 2)), xd, wg, wd))
+    for impl in ("ragged_dot", "blocked"):
+        f = lambda x, wg, wd, impl=impl: dropless_local(x, idx, weights, wg, wg, wd, 0,  # noqa
+                                                        grouped_matmul=impl)
+        report(impl, timed(f, x, wg, wd),
+               timed(jax.grad(lambda *t, f=f: f(*t).sum(), (0, 1, 2)), x, wg, wd))
+    for name, r in results.items():
+        print(f"{name:10s} forward {r['forward_tflops']:.3f} TFLOP/s, forward+backward "
+              f"{r['train_tflops']:.3f} TFLOP/s ({r['train_tflops'] / results['dense']['train_tflops']:.2f}x dense)")
+    print(json.dumps({"shape": vars(a), "device": jax.devices()[0].device_kind, **results}))
+
+
+if __name__ == "__main__":
+    main()
