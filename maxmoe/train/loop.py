@@ -192,9 +192,15 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
                 window_steps += 1
             stop = preemption.reached(done)
             last = done == total or stop
-            if done % cfg.logging.every_steps == 0 or last:
+            eval_metrics, eval_s = None, 0.0
+            if evaluate is not None and done % cfg.train.eval_every_steps == 0:
+                t = time.perf_counter()
+                eval_metrics = {EVAL_LOSS: evaluate(state)}
+                eval_s = time.perf_counter() - t  # not training time: kept out of tokens/s
+                log(f"step {done}: eval loss {eval_metrics[EVAL_LOSS]:.4f}")
+            if done % cfg.logging.every_steps == 0 or last or eval_metrics:
                 metrics = jax.device_get(metrics)
-                elapsed = time.perf_counter() - window_start
+                elapsed = time.perf_counter() - window_start - eval_s
                 tps = tokens_per_step * window_steps / elapsed if window_steps else 0.0
                 window_start, window_steps = time.perf_counter(), 0
                 record = {k: v for k, v in metrics.items() if np.ndim(v) == 0}
@@ -202,13 +208,10 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
                                   float(np.max(metrics.get("activation_rms", 0.0))))
                 record.update(tokens_per_second=tps, mfu=tps / tokens_per_step * model_flops / peak,
                               step_time_s=tokens_per_step / tps if tps else None)
+                record.update(eval_metrics or {})
                 writer.write(done, record)
                 summary.update(last_loss=float(metrics["loss"]), tokens_per_second=tps,
                                mfu=record["mfu"])
-            eval_metrics = None
-            if evaluate is not None and done % cfg.train.eval_every_steps == 0:
-                eval_metrics = {EVAL_LOSS: evaluate(state)}
-                log(f"step {done}: eval loss {eval_metrics[EVAL_LOSS]:.4f}")
             t = time.perf_counter()
             if ckpt.save(done, state, data_iter, force=last, config=config_json, meta=layout,
                          metrics=eval_metrics):
