@@ -87,7 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     # other subcommands live with their concern; each module adds its own parser
     for module in SUBCOMMAND_MODULES:
         importlib.import_module(module).add_parser(sub)
-    args = parser.parse_args(argv)
+    # configs and KEY=VALUE overrides may come after options too (`bench A.yaml --steps 5 k=v`)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "items") or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.items += extra
     if args.command is None:
         parser.print_help()
         return 2

@@ -88,7 +88,7 @@ class MoEConfig:
     capacity_factor: float = 1.25  # capacity: slots per expert = factor * local tokens * K / E
     drop_policy: str = "position"  # capacity: drop overflow by position | probability (lowest)
     grouped_matmul: str = "auto"  # dropless: ragged_dot | blocked | auto (blocked on CPU)
-    block_size: int = 64  # dropless blocked: rows per block (each expert padded to whole blocks)
+    block_size: int = 0  # dropless blocked: rows per block (experts padded to whole blocks); 0 = auto
     router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3, with a selection bias)
     num_groups: int = 1  # experts form this many contiguous groups (DeepSeek n_group)
     groups_per_token: int = 1  # a token picks experts from its best groups only (DeepSeek topk_group)
@@ -458,7 +458,7 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
     need(e.capacity_factor > 0, "moe.capacity_factor", "must be > 0", "use e.g. 1.25")
     need(e.grouped_matmul in ("auto", "ragged_dot", "blocked"), "moe.grouped_matmul",
          "unknown grouped matmul", "use auto, ragged_dot or blocked")
-    need(e.block_size >= 1, "moe.block_size", "must be >= 1", "use e.g. 64")
+    need(e.block_size >= 0, "moe.block_size", "must be >= 0", "use 0 (auto) or e.g. 128")
     need(e.drop_policy in ("position", "probability"), "moe.drop_policy", "unknown policy",
          "use position or probability")
     need(m.moe_layer_step >= 1, "model.moe_layer_step", "must be >= 1", "use 1 (every layer MoE)")

@@ -30,7 +30,7 @@ from maxmoe.sharding import current_mesh, mesh_axes
 
 
 def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *,
-                   grouped_matmul: str = "ragged_dot", block_size: int = 64):
+                   grouped_matmul: str = "ragged_dot", block_size: int = 0):
     """Runs experts [first_expert, first_expert + El) on the tokens routed to them.
 
     x [T, D]; expert_idx, weights [T, K] (global expert ids); w_gate, w_up [El, D, F];
@@ -54,6 +54,8 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
         # K contributions per token are summed in float32 before the cast back
         return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+    if block_size <= 0:  # auto: about half an even share per block, a good CPU matmul size
+        block_size = int(min(256, max(16, 2 ** int(math.log2(max(n // (2 * num_local), 1))))))
     # blocked: slot of sorted row i of expert e = padded_start[e] + rank of i within e
     padded = (sizes + block_size - 1) // block_size * block_size
     padded_end = jnp.cumsum(padded)
