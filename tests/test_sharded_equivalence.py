@@ -67,15 +67,8 @@ def _check(overrides, reference):
     return cfg, origins
 
 
-# every layout with dropless dispatch; capacity dispatch on the layouts that move tokens
-# between expert shards (one compile each: the suite runs on 2 cores)
-CAPACITY_LAYOUTS = {"expert8", "data2_fsdp2_expert2", "fsdp2_expert2_tensor2",
-                    "pipeline2_expert2_fsdp2_gpipe4"}
-
-
 def _cases(layouts):
-    return [(name, dispatch) for name in layouts for dispatch in DISPATCH
-            if dispatch == "dropless" or name in CAPACITY_LAYOUTS]
+    return [(name, dispatch) for name in layouts for dispatch in DISPATCH]
 
 
 @pytest.mark.parametrize("name, dispatch", _cases(LAYOUTS))
