@@ -74,7 +74,7 @@ def memory_analysis(compiled) -> dict[str, int]:
 def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int) -> dict:
     import jax
 
-    from maxmoe.config import dcn_sizes
+    from maxmoe.validation import dcn_sizes
     from maxmoe.metrics.flops import flops_per_token, peak_flops
     from maxmoe.sharding import make_mesh, use_mesh
     from maxmoe.train.loop import global_batch

@@ -54,7 +54,7 @@ def prepare(items: list[str]):
     from maxmoe.distributed import initialize
 
     initialize(cfg.distributed)
-    from maxmoe.config import validate
+    from maxmoe.validation import validate
 
     sizes = validate(cfg, jax.device_count(), origins, jax.process_count())
     return cfg, sizes

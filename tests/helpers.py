@@ -6,7 +6,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from maxmoe.config import dcn_sizes, load_config, validate
+from maxmoe.config import load_config
+from maxmoe.validation import dcn_sizes, validate
 from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
 from maxmoe.train.step import build_model
 

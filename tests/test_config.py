@@ -13,15 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from maxmoe.config import (
-    DEFAULT_RULES,
-    MESH_AXES,
-    Config,
-    ConfigError,
-    load_config,
-    save_config,
-    validate,
-)
+from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config, ConfigError, load_config, save_config
+from maxmoe.validation import validate
 
 CMD = "command line"
 

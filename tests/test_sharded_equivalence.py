@@ -15,7 +15,7 @@ import pytest
 
 from maxmoe.model.transformer import layer_groups, pipeline_plan
 from maxmoe.sharding import make_mesh, use_mesh
-from maxmoe.config import validate
+from maxmoe.validation import validate
 from tests.helpers import loss_and_grads, random_batch, small_config
 
 LAYOUTS = {

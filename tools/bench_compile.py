@@ -11,7 +11,8 @@ import time
 
 import jax
 
-from maxmoe.config import load_config, validate
+from maxmoe.config import load_config
+from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.bench import synthetic_batch

@@ -20,7 +20,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from maxmoe.config import Config, ConfigError, dcn_sizes, save_config, to_dict
+from maxmoe.config import Config, ConfigError, save_config, to_dict
+from maxmoe.validation import dcn_sizes
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.metrics.flops import flops_per_token, peak_flops

@@ -26,7 +26,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import load_config, validate
+from maxmoe.config import load_config
+from maxmoe.validation import validate
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.sharding import make_mesh

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import validate
+from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
 from maxmoe.train.step import make_trainer
 from tests.helpers import random_batch, small_config

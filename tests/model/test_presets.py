@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.config import load_config, validate
+from maxmoe.config import load_config
+from maxmoe.validation import validate
 from maxmoe.metrics.flops import active_params_per_token
 from maxmoe.model.router import RouterBias
 from maxmoe.train.step import build_model

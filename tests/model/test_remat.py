@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.config import validate
+from maxmoe.validation import validate
 from maxmoe.model.transformer import SAVED_NAMES
 from maxmoe.sharding import make_mesh
 from maxmoe.train.loop import global_batch

@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import ConfigError, dcn_sizes, validate
+from maxmoe.config import ConfigError
+from maxmoe.validation import dcn_sizes, validate
 from maxmoe.sharding import make_mesh
 from tests.helpers import loss_and_grads, random_batch, small_config
 

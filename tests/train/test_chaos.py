@@ -20,7 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import load_config, validate
+from maxmoe.config import load_config
+from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.step import make_trainer

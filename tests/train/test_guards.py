@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe.config import CheckpointConfig, GuardConfig, validate
+from maxmoe.config import CheckpointConfig, GuardConfig
+from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
 from maxmoe.train import loop
 from maxmoe.train.checkpoint import Checkpointer

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import validate
+from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.loop import train
