@@ -3,7 +3,8 @@
 Needs torch + transformers (not needed by the test suite, which reads the committed files):
 
     pip install torch==2.13.0 && pip install transformers safetensors
-    python tools/make_hf_fixtures.py
+    python tools/make_hf_fixtures.py            # all fixtures
+    python tools/make_hf_fixtures.py NAME ...   # only these (each keeps its seed)
 
 Each fixture directory holds config.json and model.safetensors (as `save_pretrained` writes
 them, hub tensor names), input_ids.npy [B, S], logits.npy [B, S, V] (float32, eager attention
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, MixtralConfig,
-                          MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
+                          DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
 BATCH, SEQ = 2, 12
@@ -84,6 +87,25 @@ FIXTURES = {
         intermediate_size=24, moe_intermediate_size=8, num_experts=6, num_experts_per_tok=3,
         decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False, rms_norm_eps=1e-6,
         rope_parameters=yarn(2.0, theta=1e6))), "bfloat16", {}),
+    # DeepSeek-V2-Lite's shape: no q-lora, greedy top-k (n_group 1), no renormalisation, scale 1,
+    # 2 shared experts, 1 first dense layer, YaRN with mscale == mscale_all_dim = 0.707;
+    # config.json in the hub file's style (rope_scaling + rope_theta, DeepSeek-only keys)
+    "deepseek_v2_lite_greedy": (DeepseekV2ForCausalLM, DeepseekV2Config(**dict(
+        DEEPSEEK, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3,
+        topk_method="greedy", n_group=1, topk_group=1, n_shared_experts=2,
+        first_k_dense_replace=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+        rope_parameters=yarn(40.0, mscale=0.707, mscale_all_dim=0.707))), "bfloat16",
+        {"old_rope_style": True, "extra": dict(scoring_func="softmax", moe_layer_freq=1,
+                                               aux_loss_alpha=0.001, seq_aux=True)}),
+    # q-lora, 4 groups of 4 ranked by their best score pick 2 (group_limited_greedy), top-4,
+    # routed scale 2.5, norm_topk_prob true (which transformers ignores), one shared expert,
+    # 2 first dense layers, YaRN with mscale != mscale_all_dim
+    "deepseek_v2_groups_qlora_scaled": (DeepseekV2ForCausalLM, DeepseekV2Config(**dict(
+        DEEPSEEK, num_hidden_layers=4, q_lora_rank=12, n_routed_experts=16,
+        num_experts_per_tok=4, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        n_shared_experts=1, first_k_dense_replace=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, rope_parameters=yarn(4.0, mscale=1.0, mscale_all_dim=0.5))),
+        "float32", {}),
 }
 
 
@@ -118,11 +140,17 @@ def rewrite_config(path: Path, options: dict) -> None:
         cfg["rope_scaling"] = rope
     if options.get("experts_key"):
         cfg[options["experts_key"]] = cfg.pop("num_local_experts")
+    cfg.update(options.get("extra", {}))
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(FIXTURES))
+    if unknown:
+        raise SystemExit(f"unknown fixture(s) {unknown}; known: {sorted(FIXTURES)}")
     for seed, (name, (cls, config, dtype, options)) in enumerate(FIXTURES.items()):
+        if names and name not in names:
+            continue
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(seed)
         config._attn_implementation = "eager"
@@ -147,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -7,8 +7,8 @@ import sys
 import time
 
 USAGE = """\
-Convert checkpoints between Hugging Face safetensors (DeepSeek-V3, Mixtral, Qwen3-MoE hub
-layouts) and maxmoe.
+Convert checkpoints between Hugging Face safetensors (DeepSeek-V3, DeepSeek-V2, Mixtral,
+Qwen3-MoE hub layouts) and maxmoe.
 
   maxmoe convert from-hf HF_DIR OUT_DIR     config.json + model*.safetensors (single file or
                                             sharded with an index; FP8 block-scaled weights are

@@ -83,7 +83,7 @@ def _block(prefix: str, path: Path_, index: tuple, is_moe: bool, cfg: Config, fa
         return out + _mlp(f"{prefix}.mlp", mlp, index)
     moe = f"{prefix}.block_sparse_moe" if family == "mixtral" else f"{prefix}.mlp"
     out.append(_linear(f"{moe}.gate.weight", Part(mlp + ("router",), index)))
-    if cfg.moe.router == "sigmoid":
+    if cfg.moe.router == "sigmoid":  # DeepSeek-V3 (V2, softmax: same names, no bias)
         out.append(_copy(f"{moe}.gate.e_score_correction_bias", mlp + ("bias",), index))
     expert_names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     for e in range(cfg.moe.num_experts):

@@ -1,5 +1,6 @@
-"""Top-k expert routing (float32): softmax (Mixtral, Qwen3) or DeepSeek-V3 sigmoid scores with
-group-limited selection and an auxiliary-loss-free selection bias; the balance losses.
+"""Top-k expert routing (float32): softmax (Mixtral, Qwen3, DeepSeek-V2) or DeepSeek-V3 sigmoid
+scores, optionally group-limited, the sigmoid one with an auxiliary-loss-free selection bias;
+the balance losses.
 
 The selection bias is a `RouterBias` variable, not an `nnx.Param`: the optimizer never sees it.
 `Transformer.update_router_bias` moves it once per optimizer step from the expert load
@@ -22,11 +23,17 @@ class RouterBias(nnx.Variable):
 def group_limited_choice(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
     """choice [..., E] -> same, with -inf outside each token's best `groups_per_token` groups.
 
-    A group is ranked by the sum of its two highest scores (DeepSeek-V3 n_group / topk_group).
+    Groups are ranked as the published models rank them: with sigmoid scores by the sum of the
+    two highest biased scores in each (DeepSeek-V3 n_group / topk_group, topk_method noaux_tc),
+    with softmax scores by the highest score in each (DeepSeek-V2 topk_method
+    group_limited_greedy, modeling_deepseek_v2.py DeepseekV2TopkRouter.forward).
     """
     *lead, e = choice.shape
     grouped = choice.reshape(*lead, cfg.num_groups, e // cfg.num_groups)
-    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., groups]
+    if cfg.router == "sigmoid":
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., groups]
+    else:
+        group_score = jnp.max(grouped, axis=-1)
     _, best = jax.lax.top_k(group_score, cfg.groups_per_token)
     keep = jnp.any(jax.nn.one_hot(best, cfg.num_groups, dtype=jnp.bool_), axis=-2)  # [..., groups]
     return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
