@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compile (default 2)")
     p.add_argument("--sweep", metavar="KEY=V1,V2,...", default="",
                    help="benchmark each value of one config key; print a comparison table")
+    p.add_argument("--profile", metavar="DIR", default="",
+                   help="after timing, trace 3 steps with jax.profiler into DIR and print where "
+                        "the time goes, per model part (forward/backward, matmul share)")
     p.set_defaults(run=run)
 
 
@@ -71,7 +74,7 @@ def memory_analysis(compiled) -> dict[str, int]:
     return out
 
 
-def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int) -> dict:
+def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int, profile_dir: str = "") -> dict:
     import jax
 
     from maxmoe.validation import dcn_sizes
@@ -98,6 +101,9 @@ def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int) -> dict:
             state, metrics = compiled(state, batch)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
+        breakdown = None
+        if profile_dir:
+            breakdown = profile_steps(compiled, state, batch, profile_dir)
     step_time = float(np.median(times))
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     model_flops = flops_per_token(cfg) * tokens
@@ -110,7 +116,27 @@ def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int) -> dict:
         "devices": jax.device_count(), "mesh": {k: v for k, v in mesh_sizes.items() if v > 1},
         "loss": float(metrics["loss"]),
         "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **memory,
+        **({"profile": breakdown} if breakdown is not None else {}),
     }
+
+
+PROFILE_STEPS = 3
+
+
+def profile_steps(compiled, state, batch, directory: str) -> list[dict]:
+    """Traces PROFILE_STEPS steps into `directory`; returns metrics.profile.breakdown rows."""
+    import jax
+
+    from maxmoe.metrics.profile import breakdown
+
+    jax.profiler.start_trace(directory)
+    try:
+        for _ in range(PROFILE_STEPS):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+    finally:
+        jax.profiler.stop_trace()
+    return breakdown(directory, compiled.as_text(), PROFILE_STEPS)
 
 
 def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
@@ -154,7 +180,7 @@ def run(args) -> int:
     if args.sweep:
         return run_sweep(args)
     cfg, sizes = prepare(args.items)
-    r = benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup)
+    r = benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup, profile_dir=args.profile)
     gib = 2.0 ** 30
     lines = [
         f"mesh           {r['mesh'] or '1 device'} ({r['devices']} devices)",
@@ -175,6 +201,11 @@ def run(args) -> int:
     pipeline_line = describe(cfg.model, sizes["pipeline"], [n for _, _, n in layer_groups(cfg.model)])
     if pipeline_line:
         lines.append(pipeline_line)
+    if "profile" in r:
+        from maxmoe.metrics.profile import table
+
+        lines += [f"profile        {PROFILE_STEPS} steps traced into {args.profile} (TensorBoard/"
+                  "Perfetto); time per step by part:", table(r["profile"])]
     print("\n".join(lines), file=sys.stderr)
     print(json.dumps(r))
     return 0

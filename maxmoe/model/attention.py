@@ -22,14 +22,39 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return (causal[None] & same_doc)[:, None, None]
 
 
+@jax.custom_vjp
+def softmax(x: jax.Array) -> jax.Array:
+    """Softmax over the last axis whose backward keeps only its output (jax.nn.softmax's
+    linearisation also keeps exp(x - max), a second [B, H, S, T] residual per layer)."""
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _softmax_fwd(x):
+    y = jax.nn.softmax(x, axis=-1)
+    return y, y
+
+
+def _softmax_bwd(y, g):
+    return (y * (g - jnp.sum(g * y, axis=-1, keepdims=True)),)
+
+
+softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+MASKED = -1e30  # float32 score of a masked pair: exp underflows to exactly 0
+
+
 def masked_softmax_attention(scores: jax.Array, v: jax.Array, segment_ids: jax.Array,
                              dtype) -> jax.Array:
     """scores [B, K, G, S, T] float32 (already scaled), v [B, T, K, Dv] -> [B, S, K*G, Dv].
 
     Query head h = k*G + g uses kv head k (Hugging Face's repeat_kv order).
     """
-    scores = jnp.where(attention_mask(segment_ids), scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)  # softmax in float32
+    # an additive bias, not a select: the backward of `where` keeps a mask-sized residual per
+    # layer (XLA materialised [L, B, K, G, S, T] zeros for it); the gradient of `+` is free.
+    # Every row keeps its diagonal, so no row is all-masked.
+    bias = jnp.where(attention_mask(segment_ids), 0.0, MASKED)
+    scores = scores + bias
+    probs = softmax(scores).astype(dtype)  # softmax in float32
     out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
     b, s, k, g, dv = out.shape
     return out.reshape(b, s, k * g, dv)

@@ -31,9 +31,10 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         """x [B, S, D] -> ([B, S, D], aux losses, expert load [E] and expert_idx [B, S, K])."""
         # router in float32 whatever the compute dtype: top-k flips are costly (precision policy)
-        logits = x.astype(jnp.float32) @ self.router[...]
-        bias = None if self.bias is None else self.bias[...]
-        idx, weights, aux = route(logits, self.cfg, bias)
+        with jax.named_scope("router"):
+            logits = x.astype(jnp.float32) @ self.router[...]
+            bias = None if self.bias is None else self.bias[...]
+            idx, weights, aux = route(logits, self.cfg, bias)
         # named for the save_named / offload_named remat policies (transformer.py)
         idx, weights = (checkpoint_name(t, "moe_dispatch") for t in (idx, weights))
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
@@ -42,5 +43,6 @@ class MoE(nnx.Module):
             c(self.gate), c(self.up), c(self.down), self.cfg)
         y = checkpoint_name(y, "moe_combine")
         if self.shared is not None:
-            y = y + self.shared(x)
+            with jax.named_scope("shared_experts"):
+                y = y + self.shared(x)
         return shard(y, ("batch", "seq", "act_embed")), aux

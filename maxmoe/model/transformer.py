@@ -53,8 +53,11 @@ class Block(nnx.Module):
                     else MLP(d, model.dense_mlp_size, std=std, dtype=dtype, rngs=rngs))
 
     def __call__(self, x, segment_ids, positions):
-        x = x + self.attn(self.attn_norm(x), segment_ids, positions)
-        y = self.mlp(self.mlp_norm(x))
+        # named scopes label the ops of each part in profiles (`maxmoe bench --profile`)
+        with jax.named_scope("attention"):
+            x = x + self.attn(self.attn_norm(x), segment_ids, positions)
+        with jax.named_scope("moe" if isinstance(self.mlp, MoE) else "mlp"):
+            y = self.mlp(self.mlp_norm(x))
         y, aux = y if isinstance(y, tuple) else (y, {})
         x = shard(x + y, ("batch", "seq", "act_embed"))
         aux["activation_rms"] = jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
@@ -160,7 +163,8 @@ class Transformer(nnx.Module):
         aux: MoE entries stacked over MoE layers in order ([L_moe] or [L_moe, ...]),
         dense_activation_rms over dense layers.
         """
-        x = self.embed(tokens)
+        with jax.named_scope("embed"):
+            x = self.embed(tokens)
         run = dict(scan=self.cfg.scan_layers, remat=self.cfg.remat_policy)
         moe_auxs, dense_auxs = [], []
         for (is_moe, _, n), stack in zip(layer_groups(self.cfg), self.layer_groups):
@@ -176,10 +180,11 @@ class Transformer(nnx.Module):
 
     def logits(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
         """x [B, S, D] -> logits [B, S, V] float32 (final norm, then the LM head)."""
-        x = (norm or self.final_norm)(x)
-        logits = jnp.einsum("bsd,dv->bsv", x, self.lm_head[...].astype(self.dtype),
-                            preferred_element_type=jnp.float32)
-        return shard(logits, ("batch", "seq", "act_vocab"))
+        with jax.named_scope("lm_head"):
+            x = (norm or self.final_norm)(x)
+            logits = jnp.einsum("bsd,dv->bsv", x, self.lm_head[...].astype(self.dtype),
+                                preferred_element_type=jnp.float32)
+            return shard(logits, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens, segment_ids, positions):
         """tokens [B, S] -> (logits [B, S, V] float32, aux stacked per MoE layer)."""
@@ -245,6 +250,7 @@ class Transformer(nnx.Module):
             row += n
 
 
+@jax.named_scope("loss")
 def _cross_entropy(logits, targets, mask):
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)

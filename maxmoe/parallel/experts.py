@@ -29,6 +29,43 @@ from maxmoe.config import MoEConfig
 from maxmoe.sharding import current_mesh, mesh_axes
 
 
+@jax.custom_vjp
+def block_matmul(xb, w, block_expert, used):
+    """Grouped matmul over row blocks: out[i] = xb[i] @ w[block_expert[i]] for i < used, and
+    zero after. xb [N, bs, D], w [E, D, F], block_expert [N] int, used: scalar int.
+
+    A loop of 2-D matmuls over the blocks in use (a dynamic trip count, so the worst-case
+    padding blocks cost nothing), with the weight indexed in place: XLA:CPU runs these at
+    dense-matmul speed, unlike a batched matmul over per-block gathered weights (measured
+    1.3x slower, issue 8) or ragged_dot, which it lowers to a dense product over every group.
+    """
+    xb, w, block_expert = (jnp.asarray(a) for a in (xb, w, block_expert))
+
+    def body(i, out):
+        return jax.lax.dynamic_update_index_in_dim(out, xb[i] @ w[block_expert[i]], i, 0)
+    return jax.lax.fori_loop(0, used, body, jnp.zeros((*xb.shape[:2], w.shape[2]), xb.dtype))
+
+
+def _block_matmul_fwd(xb, w, block_expert, used):
+    return block_matmul(xb, w, block_expert, used), (xb, w, block_expert, used)
+
+
+def _block_matmul_bwd(res, g):
+    xb, w, block_expert, g = (jnp.asarray(a) for a in (*res[:3], g))
+    used = res[3]
+
+    def body(i, carry):
+        dx, dw = carry
+        e = block_expert[i]
+        dx = jax.lax.dynamic_update_index_in_dim(dx, g[i] @ w[e].T, i, 0)
+        return dx, dw.at[e].add(xb[i].T @ g[i])
+    dx, dw = jax.lax.fori_loop(0, used, body, (jnp.zeros_like(xb), jnp.zeros_like(w)))
+    return dx, dw, None, None
+
+
+block_matmul.defvjp(_block_matmul_fwd, _block_matmul_bwd)
+
+
 def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *,
                    grouped_matmul: str = "ragged_dot", block_size: int = 0):
     """Runs experts [first_expert, first_expert + El) on the tokens routed to them.
@@ -36,48 +73,59 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     x [T, D]; expert_idx, weights [T, K] (global expert ids); w_gate, w_up [El, D, F];
     w_down [El, F, D]. Returns [T, D] float32: the weighted sum over this shard's experts.
     grouped_matmul: "ragged_dot" (lax.ragged_dot over rows sorted by expert) or "blocked"
-    (rows sorted by expert, each expert padded to whole blocks of block_size rows, one batched
-    matmul over blocks with per-block weights: 4-5x faster than ragged_dot on XLA:CPU, which
-    lowers ragged_dot to a dense masked product over every group).
+    (rows sorted by expert, each expert padded to whole blocks of block_size rows, then
+    `block_matmul`: 1.9x faster than ragged_dot on XLA:CPU, which lowers ragged_dot to a
+    dense masked product over every group).
     """
     t, k = expert_idx.shape
     n, num_local = t * k, w_gate.shape[0]
-    local = expert_idx.reshape(-1) - first_expert  # [T*K]
-    key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others last
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    scope = jax.named_scope  # dispatch / grouped_matmul / combine: the profile's MoE parts
+    with scope("dispatch"):
+        local = expert_idx.reshape(-1) - first_expert  # [T*K]
+        key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others last
+        order = jnp.argsort(key, stable=True)
+        sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     if grouped_matmul == "ragged_dot":
-        token = order // k
-        xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes)) * jax.lax.ragged_dot(xs, w_up, sizes)
-        out = jax.lax.ragged_dot(h, w_down, sizes).astype(jnp.float32)
-        out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
-        # K contributions per token are summed in float32 before the cast back
-        return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
-    if block_size <= 0:  # auto: about half an even share per block, a good CPU matmul size
-        block_size = int(min(256, max(16, 2 ** int(math.log2(max(n // (2 * num_local), 1))))))
-    # blocked: slot of sorted row i of expert e = padded_start[e] + rank of i within e
-    padded = (sizes + block_size - 1) // block_size * block_size
-    padded_end = jnp.cumsum(padded)
-    sorted_key = key[order]
-    e = jnp.minimum(sorted_key, num_local - 1)
-    rank = jnp.arange(n) - (jnp.cumsum(sizes) - sizes)[e]
-    slot = jnp.where(sorted_key < num_local, padded_end[e] - padded[e] + rank, -1)
+        with scope("dispatch"):
+            token = order // k
+            xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
+        with scope("grouped_matmul"):
+            h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes))
+                 * jax.lax.ragged_dot(xs, w_up, sizes))
+            out = jax.lax.ragged_dot(h, w_down, sizes).astype(jnp.float32)
+        with scope("combine"):
+            out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+            # K contributions per token are summed in float32 before the cast back
+            return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+    if block_size <= 0:  # auto: about a quarter of an even share per block, 16-128 rows
+        block_size = int(min(128, max(16, 2 ** int(math.log2(max(n // (4 * num_local), 1))))))
     rows = -(-(n + num_local * (block_size - 1)) // block_size) * block_size  # worst case
     blocks = rows // block_size
-    assignment = jnp.full((rows,), n, jnp.int32).at[jnp.where(slot >= 0, slot, rows)].set(
-        order, mode="drop")  # (token, k) assignment held by each slot; n = empty slot
-    token = jnp.where(assignment < n, assignment // k, t)  # token t is an all-zero row
-    xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]
-    xs = xs.reshape(blocks, block_size, -1)
-    block_expert = jnp.minimum(
-        jnp.searchsorted(padded_end, jnp.arange(blocks) * block_size, side="right"), num_local - 1)
-    h = jax.nn.silu(jnp.einsum("nbd,ndf->nbf", xs, w_gate[block_expert])) * jnp.einsum(
-        "nbd,ndf->nbf", xs, w_up[block_expert])
-    out = jnp.einsum("nbf,nfd->nbd", h, w_down[block_expert]).reshape(rows, -1)
-    slot_weight = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])
-    out = out.astype(jnp.float32) * slot_weight[assignment][:, None].astype(jnp.float32)
-    return jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[token].add(out)[:t]
+    with scope("dispatch"):
+        # slot of sorted row i of expert e = padded_start[e] + rank of i within e
+        padded = (sizes + block_size - 1) // block_size * block_size
+        padded_end = jnp.cumsum(padded)
+        sorted_key = key[order]
+        e = jnp.minimum(sorted_key, num_local - 1)
+        rank = jnp.arange(n) - (jnp.cumsum(sizes) - sizes)[e]
+        slot = jnp.where(sorted_key < num_local, padded_end[e] - padded[e] + rank, -1)
+        assignment = jnp.full((rows,), n, jnp.int32).at[jnp.where(slot >= 0, slot, rows)].set(
+            order, mode="drop")  # (token, k) assignment held by each slot; n = empty slot
+        token = jnp.where(assignment < n, assignment // k, t)  # token t is an all-zero row
+        xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]
+        xs = xs.reshape(blocks, block_size, -1)
+        block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(blocks) * block_size,
+                                                    side="right"), num_local - 1)
+        used = padded_end[-1] // block_size
+    with scope("grouped_matmul"):
+        f = w_gate.shape[2]  # gate and up as one matmul: one pass over the rows, wider tiles
+        gate_up = block_matmul(xs, jnp.concatenate([w_gate, w_up], axis=2), block_expert, used)
+        h = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:]
+        out = block_matmul(h, w_down, block_expert, used).reshape(rows, -1)
+    with scope("combine"):
+        slot_weight = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])
+        out = out.astype(jnp.float32) * slot_weight[assignment][:, None].astype(jnp.float32)
+        return jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[token].add(out)[:t]
 
 
 def capacity_slots(expert_idx, weights, num_experts: int, capacity: int, drop_policy: str):
@@ -114,21 +162,24 @@ def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConf
     t, d = x.shape
     num_experts = cfg.num_experts
     capacity = capacity_for(t, cfg)
-    slot = capacity_slots(expert_idx, weights, num_experts, capacity, cfg.drop_policy)
-    kept = slot >= 0
-    tok = jnp.broadcast_to(jnp.arange(t)[:, None], slot.shape)
-    buf = jnp.zeros((num_experts, capacity, d), x.dtype)
-    buf = buf.at[expert_idx, jnp.where(kept, slot, capacity)].set(x[tok], mode="drop")
-    if exchange is not None:
-        buf = exchange(buf, inverse=False)  # [E, C, D] -> [ep, El, C, D] received
-    h = jax.nn.silu(jnp.einsum("...cd,...df->...cf", buf, w_gate)) * jnp.einsum(
-        "...cd,...df->...cf", buf, w_up)
-    out = jnp.einsum("...cf,...fd->...cd", h, w_down)
-    if exchange is not None:
-        out = exchange(out, inverse=True)
-    gathered = out[expert_idx, jnp.where(kept, slot, 0)].astype(jnp.float32)  # [T, K, D]
-    w = jnp.where(kept, weights, 0.0).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", gathered, w), jnp.sum(~kept)
+    with jax.named_scope("dispatch"):
+        slot = capacity_slots(expert_idx, weights, num_experts, capacity, cfg.drop_policy)
+        kept = slot >= 0
+        tok = jnp.broadcast_to(jnp.arange(t)[:, None], slot.shape)
+        buf = jnp.zeros((num_experts, capacity, d), x.dtype)
+        buf = buf.at[expert_idx, jnp.where(kept, slot, capacity)].set(x[tok], mode="drop")
+        if exchange is not None:
+            buf = exchange(buf, inverse=False)  # [E, C, D] -> [ep, El, C, D] received
+    with jax.named_scope("grouped_matmul"):
+        h = jax.nn.silu(jnp.einsum("...cd,...df->...cf", buf, w_gate)) * jnp.einsum(
+            "...cd,...df->...cf", buf, w_up)
+        out = jnp.einsum("...cf,...fd->...cd", h, w_down)
+    with jax.named_scope("combine"):
+        if exchange is not None:
+            out = exchange(out, inverse=True)
+        gathered = out[expert_idx, jnp.where(kept, slot, 0)].astype(jnp.float32)  # [T, K, D]
+        w = jnp.where(kept, weights, 0.0).astype(jnp.float32)
+        return jnp.einsum("tkd,tk->td", gathered, w), jnp.sum(~kept)
 
 
 def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig):

@@ -106,3 +106,17 @@ def test_fused_attention_equals_einsum():
     ref, _ = build_model(cfg, 0)(batch["tokens"], batch["segment_ids"], batch["positions"])
     got, _ = build_model(fused_cfg, 0)(batch["tokens"], batch["segment_ids"], batch["positions"])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_backward_equals_jax_nn_softmax():
+    """attention.softmax keeps only its output for the backward; gradients equal
+    jax.nn.softmax's (float32, rtol 1e-6), masked (-1e30) entries included."""
+    from maxmoe.model.attention import MASKED, softmax
+
+    x = jax.random.normal(jax.random.key(0), (2, 3, 5, 7))
+    x = x.at[0, :, :, 4:].add(MASKED)  # as attention masks them: every row keeps some entries
+    g = jax.random.normal(jax.random.key(1), x.shape)
+    ours = jax.vjp(softmax, x)
+    ref = jax.vjp(lambda a: jax.nn.softmax(a, axis=-1), x)
+    np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
+    np.testing.assert_allclose(ours[1](g)[0], ref[1](g)[0], rtol=1e-6, atol=1e-7)

@@ -1,0 +1,160 @@
+"""Where the time of a compiled step goes: a JAX profiler trace, attributed to model parts.
+
+`maxmoe bench CONFIG --profile DIR` traces a few steps with `jax.profiler`, then reads the
+trace back with `jax.profiler.ProfileData` (no TensorBoard needed). Each executed XLA op
+(a thunk on CPU, a kernel on GPU) is mapped to its HLO instruction in the compiled module and
+from there to the `jax.named_scope` it was traced under (model/transformer.py, moe.py,
+parallel/experts.py, train/step.py name the parts). Time is exclusive: a loop or call op
+counts only what its children do not. Forward and backward are told apart by the `transpose(`
+that JAX puts in the names of backward ops. The trace itself is left in DIR for TensorBoard or
+Perfetto.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from pathlib import Path
+
+COLLECTIVES = "collectives (incl. waiting for peers)"
+_COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                   "collective-permute", "ragged-all-to-all")
+# (category, regex on the op_name path); first match wins. Under shard_map the expert parts
+# sit below moe/shard_map/.
+PARTS = [
+    ("optimizer", r"/optimizer(/|$)"),
+    ("moe: dispatch (sort, gather)", r"/moe/(.*/)?dispatch(/|$)"),
+    ("moe: grouped matmul", r"/moe/(.*/)?grouped_matmul(/|$)"),
+    ("moe: combine (scatter)", r"/moe/(.*/)?combine(/|$)"),
+    ("moe: router", r"/moe/router(/|$)"),
+    ("moe: shared experts", r"/moe/shared_experts(/|$)"),
+    ("moe: other", r"/moe(/|$)"),
+    ("attention: projections", r"/attention/(bsd,dhk->bshk|bshk,hkd->bsd)"),
+    ("attention: core", r"/attention(/|$)"),
+    ("dense mlp", r"/mlp(/|$)"),
+    ("lm head", r"[/(]lm_head([/)]|$)"),  # outside the layer scan JAX writes jvp(lm_head)
+    ("loss", r"[/(]loss([/)]|$)"),
+    ("embedding", r"[/(]embed([/)]|$)"),
+    ("layer scan (slice/stack per layer)", r"/while/body"),
+]
+OTHER = "other (grad norm, guards, metrics)"
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? (\w[\w\-]*)\(")
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> op_name path (its jax name stack) from compiled HLO text."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def matmul_instructions(hlo_text: str) -> set[str]:
+    """Names of dots, and of fusions whose fused computation holds a dot or a convolution."""
+    with_dot, current, fusion_calls = set(), None, {}
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if head:
+            current = head.group(1)
+            continue
+        if current and re.search(r"= [^=]*\b(dot|convolution|ragged-dot)\(", line):
+            with_dot.add(current)
+            name = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) =", line)
+            if name:
+                with_dot.add(name.group(1))
+        call = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*\bfusion\(.*calls=%?([\w.\-]+)", line)
+        if call:
+            fusion_calls[call.group(1)] = call.group(2)
+    return {n for n in with_dot} | {f for f, c in fusion_calls.items() if c in with_dot}
+
+
+def categorize(op_name: str, instruction: str = "") -> str:
+    """The part an op belongs to, from its instruction name (collectives) and op_name path."""
+    if instruction.split(".")[0].removesuffix("-start").removesuffix("-done") in _COLLECTIVE_OPS:
+        return COLLECTIVES
+    for part, pattern in PARTS:
+        if re.search(pattern, op_name):
+            return part
+    return OTHER
+
+
+def instruction_times(trace_dir: Path, names: dict[str, str]) -> dict[str, float]:
+    """HLO instruction name -> exclusive ns summed over every timeline of the newest trace."""
+    import jax
+
+    files = sorted(Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        raise FileNotFoundError(f"{trace_dir}: the profiler wrote no *.xplane.pb")
+    out: dict[str, float] = collections.defaultdict(float)
+    for plane in jax.profiler.ProfileData.from_file(str(files[-1])).planes:
+        for line in plane.lines:
+            spans = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
+                            if e.name in names or _is_control(e.name)),
+                           key=lambda s: (s[0], -s[1]))
+            for name, ns in _exclusive(spans).items():
+                if name in names:
+                    out[name] += ns
+    return out
+
+
+def breakdown(trace_dir: Path, hlo_text: str, steps: int) -> list[dict]:
+    """Rows {part, forward_ms, backward_ms, matmul_ms, total_ms, share} per step, largest first;
+    then up to TOP rows {part: "op <instruction>", op_name, total_ms, share} of the costliest ops."""
+    names, matmuls = op_names(hlo_text), matmul_instructions(hlo_text)
+    times = instruction_times(trace_dir, names)
+    rows = collections.defaultdict(lambda: collections.Counter())
+    for name, ns in times.items():
+        op, ms = names[name], ns / 1e6 / steps
+        row = rows[categorize(op, name)]
+        row["backward_ms" if "transpose(" in op else "forward_ms"] += ms
+        if name in matmuls:
+            row["matmul_ms"] += ms
+    total = sum(times.values()) / 1e6 / steps or 1.0
+    out = [{"part": part, "forward_ms": r["forward_ms"], "backward_ms": r["backward_ms"],
+            "matmul_ms": r["matmul_ms"], "total_ms": r["forward_ms"] + r["backward_ms"],
+            "share": (r["forward_ms"] + r["backward_ms"]) / total} for part, r in rows.items()]
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:TOP]
+    return sorted(out, key=lambda r: -r["total_ms"]) + [
+        {"part": f"op {name}", "op_name": names[name], "total_ms": ns / 1e6 / steps,
+         "share": ns / 1e6 / steps / total} for name, ns in top]
+
+
+TOP = 12
+
+
+def _is_control(name: str) -> bool:
+    return name.split(".")[0] in ("while", "conditional", "call")
+
+
+def _exclusive(spans) -> dict[str, float]:
+    out: dict[str, float] = collections.defaultdict(float)
+    stack: list[list] = []  # [end, name, start]
+    for start, end, name in spans:
+        while stack and stack[-1][0] <= start:
+            stack.pop()
+        if stack:  # a child: its time is not its parent's
+            out[stack[-1][1]] -= end - start
+        stack.append([end, name, start])
+        out[name] += end - start
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    ops = [r for r in rows if "op_name" in r]
+    rows = [r for r in rows if "op_name" not in r]
+    lines = [f"{'part':<38} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'share':>6} {'matmul':>7}"]
+    for r in rows:
+        lines.append(f"{r['part']:<38} {r['forward_ms']:>8.1f} {r['backward_ms']:>8.1f} "
+                     f"{r['total_ms']:>8.1f} {100 * r['share']:>5.1f}% {r['matmul_ms']:>7.1f}")
+    total = sum(r["total_ms"] for r in rows)
+    mm = sum(r["matmul_ms"] for r in rows)
+    lines.append(f"{'all (thread time; CPU threads overlap)':<38} {'':>8} {'':>8} {total:>8.1f} "
+                 f"{'':>6} {mm:>7.1f}")
+    lines.append(f"costliest ops:")
+    for r in ops:
+        lines.append(f"  {r['total_ms']:7.1f} ms {100 * r['share']:5.1f}%  {r['part'][3:]:<34} "
+                     f"{r['op_name'][-80:]}")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""`maxmoe bench`: the figures it prints are consistent, and --profile attributes the traced
+step to the named model parts (metrics/profile.py)."""
+
+import json
+
+import pytest
+
+from maxmoe.bench import benchmark
+from maxmoe.metrics.flops import flops_per_token
+from maxmoe.metrics.profile import COLLECTIVES, categorize, matmul_instructions, op_names
+from tests.helpers import small_config
+from maxmoe.validation import validate
+
+
+def test_op_names_and_matmuls_from_hlo_text():
+    hlo = """
+%fused_computation.1 (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %dot.3 = f32[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %exp.1 = f32[4,4]{1,0} exponential(%a), metadata={op_name="jit(f)/jvp()/while/body/closed_call/attention/exp"}
+  ROOT %fusion.7 = f32[4,4]{1,0} fusion(%exp.1), kind=kCustom, calls=%fused_computation.1, metadata={op_name="jit(f)/transpose(jvp(lm_head))/dot_general"}
+}
+"""
+    names = op_names(hlo)
+    assert names == {"exp.1": "jit(f)/jvp()/while/body/closed_call/attention/exp",
+                     "fusion.7": "jit(f)/transpose(jvp(lm_head))/dot_general"}
+    assert "fusion.7" in matmul_instructions(hlo) and "exp.1" not in matmul_instructions(hlo)
+    assert categorize(names["exp.1"]) == "attention: core"
+    assert categorize(names["fusion.7"]) == "lm head"
+    assert categorize("jit(f)/transpose(jvp())/while/body/closed_call/moe/shard_map/"
+                      "grouped_matmul/while/body/dot_general") == "moe: grouped matmul"
+    assert categorize("jit(f)/moe/shard_map/psum", "all-reduce.3") == COLLECTIVES
+
+
+def test_bench_figures_and_profile_breakdown(tmp_path):
+    cfg, origins = small_config("model.remat_policy=none")
+    sizes = validate(cfg, 8, origins)
+    r = benchmark(cfg, sizes, steps=2, warmup=1, profile_dir=str(tmp_path / "trace"))
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    assert r["tokens_per_second"] == pytest.approx(tokens / r["step_time_s"])
+    assert r["model_flops_per_step"] == pytest.approx(flops_per_token(cfg) * tokens)
+    assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
+    assert r["peak_bytes"] > 0
+    json.dumps(r)  # the last line bench prints
+    parts = {row["part"]: row for row in r["profile"] if "op_name" not in row}
+    # every named part of the model ran and was seen, forward and backward
+    # data-parallel over the 8 test devices: the gradient all-reduces are collectives
+    for part in (COLLECTIVES, "attention: core", "attention: projections", "moe: grouped matmul",
+                 "moe: dispatch (sort, gather)", "moe: combine (scatter)", "moe: router",
+                 "dense mlp", "lm head", "loss", "optimizer"):
+        assert parts[part]["total_ms"] > 0, part
+    for part in ("attention: projections", "moe: grouped matmul", "lm head"):
+        assert parts[part]["backward_ms"] > 0 and parts[part]["matmul_ms"] > 0, part
+    assert sum(row["share"] for row in parts.values()) == pytest.approx(1.0)
+    assert all(row["matmul_ms"] <= row["total_ms"] + 1e-9 for row in parts.values())
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
