@@ -10,6 +10,6 @@ pip install --no-deps -e . >/dev/null 2>&1
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 python -c "import jax; print(jax.devices())" > "$OUT/devices.txt" 2>&1
 timeout 150 python tools/bench_grouped_matmul.py --tokens 32768 --dim 1024 --ffn 512 --experts 64 --topk 6 --dtype bfloat16 > "$OUT/grouped_matmul.txt" 2>&1
-timeout 240 python -m maxmoe.cli bench configs/bench/h200_deepseek_1b.yaml --steps 10 > "$OUT/bench_h200.json" 2> "$OUT/bench_h200.log"
+timeout 240 python -m maxmoe.cli bench configs/bench/h200_deepseek_1b.yaml --steps 10 --profile /tmp/maxmoe_trace > "$OUT/bench_h200.json" 2> "$OUT/bench_h200.log"
 timeout 120 python -m maxmoe.cli bench configs/bench/h200_deepseek_1b.yaml attention.kind=gqa attention.num_kv_heads=16 attention.head_dim=64 attention.implementation=fused --steps 10 > "$OUT/bench_h200_gqa_fused.json" 2> "$OUT/bench_h200_gqa_fused.log"
 tail -n 3 "$OUT"/*.txt "$OUT"/*.json

@@ -81,20 +81,30 @@ def categorize(op_name: str, instruction: str = "") -> str:
     return OTHER
 
 
-def instruction_times(trace_dir: Path, names: dict[str, str]) -> dict[str, float]:
-    """HLO instruction name -> exclusive ns summed over every timeline of the newest trace."""
+def instruction_times(trace_dir: Path, names: dict[str, str], module: str = "") -> dict[str, float]:
+    """HLO instruction name -> exclusive ns summed over every timeline of the newest trace.
+
+    Events name their op in the `hlo_op` stat (GPU kernels have other names); GPU traces are
+    read from the device planes only, so host-side launches are not counted twice."""
     import jax
 
     files = sorted(Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not files:
         raise FileNotFoundError(f"{trace_dir}: the profiler wrote no *.xplane.pb")
+    planes = list(jax.profiler.ProfileData.from_file(str(files[-1])).planes)
+    device = [p for p in planes if p.name.startswith("/device:") and "CPU" not in p.name]
     out: dict[str, float] = collections.defaultdict(float)
-    for plane in jax.profiler.ProfileData.from_file(str(files[-1])).planes:
+    for plane in device or planes:
         for line in plane.lines:
-            spans = sorted(((e.start_ns, e.start_ns + e.duration_ns, e.name) for e in line.events
-                            if e.name in names or _is_control(e.name)),
-                           key=lambda s: (s[0], -s[1]))
-            for name, ns in _exclusive(spans).items():
+            spans = []
+            for e in line.events:
+                stats = dict(e.stats)
+                if module and stats.get("hlo_module", module) != module:
+                    continue
+                name = stats.get("hlo_op", e.name)
+                if name in names or _is_control(name):
+                    spans.append((e.start_ns, e.start_ns + e.duration_ns, name))
+            for name, ns in _exclusive(sorted(spans, key=lambda s: (s[0], -s[1]))).items():
                 if name in names:
                     out[name] += ns
     return out
@@ -104,7 +114,8 @@ def breakdown(trace_dir: Path, hlo_text: str, steps: int) -> list[dict]:
     """Rows {part, forward_ms, backward_ms, matmul_ms, total_ms, share} per step, largest first;
     then up to TOP rows {part: "op <instruction>", op_name, total_ms, share} of the costliest ops."""
     names, matmuls = op_names(hlo_text), matmul_instructions(hlo_text)
-    times = instruction_times(trace_dir, names)
+    module = re.match(r"\s*HloModule ([\w.\-]+)", hlo_text)
+    times = instruction_times(trace_dir, names, module.group(1) if module else "")
     rows = collections.defaultdict(lambda: collections.Counter())
     for name, ns in times.items():
         op, ms = names[name], ns / 1e6 / steps
