@@ -19,24 +19,26 @@ from pathlib import Path
 COLLECTIVES = "collectives (incl. waiting for peers)"
 _COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                    "collective-permute", "ragged-all-to-all")
-# (category, regex on the op_name path); first match wins. Under shard_map the expert parts
-# sit below moe/shard_map/.
-PARTS = [
-    ("optimizer", r"/optimizer(/|$)"),
-    ("moe: dispatch (sort, gather)", r"/moe/(.*/)?dispatch(/|$)"),
-    ("moe: grouped matmul", r"/moe/(.*/)?grouped_matmul(/|$)"),
-    ("moe: combine (scatter)", r"/moe/(.*/)?combine(/|$)"),
-    ("moe: router", r"/moe/router(/|$)"),
-    ("moe: shared experts", r"/moe/shared_experts(/|$)"),
-    ("moe: other", r"/moe(/|$)"),
-    ("attention: projections", r"/attention/(bsd,dhk->bshk|bshk,hkd->bsd)"),
-    ("attention: core", r"/attention(/|$)"),
-    ("dense mlp", r"/mlp(/|$)"),
-    ("lm head", r"[/(]lm_head([/)]|$)"),  # outside the layer scan JAX writes jvp(lm_head)
-    ("loss", r"[/(]loss([/)]|$)"),
-    ("embedding", r"[/(]embed([/)]|$)"),
-    ("layer scan (slice/stack per layer)", r"/while/body"),
-]
+# (category, scope path) in order, first match wins. A scope shows up as /name/ or, when a
+# transform wraps it (unrolled layers, the LM head), as jvp(name)/ or transpose(jvp(name))/;
+# under shard_map the expert parts sit below moe/shard_map/.
+_S = r"[/(]{}(?=[/)]|$)"
+PARTS = [(part, re.compile(r".*".join(_S.format(n) for n in path.split("/")))) for part, path in [
+    ("optimizer", "optimizer"),
+    ("moe: dispatch (sort, gather)", "moe/dispatch"),
+    ("moe: grouped matmul", "moe/grouped_matmul"),
+    ("moe: combine (scatter)", "moe/combine"),
+    ("moe: router", "moe/router"),
+    ("moe: shared experts", "moe/shared_experts"),
+    ("moe: other", "moe"),
+    ("attention: projections", "attention/(bsd,dhk->bshk|bshk,hkd->bsd)"),
+    ("attention: core", "attention"),
+    ("dense mlp", "mlp"),
+    ("lm head", "lm_head"),
+    ("loss", "loss"),
+    ("embedding", "embed"),
+    ("layer scan (slice/stack per layer)", "while/body"),
+]]
 OTHER = "other (grad norm, guards, metrics)"
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
 _OPCODE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? (\w[\w\-]*)\(")
@@ -76,7 +78,7 @@ def categorize(op_name: str, instruction: str = "") -> str:
     if instruction.split(".")[0].removesuffix("-start").removesuffix("-done") in _COLLECTIVE_OPS:
         return COLLECTIVES
     for part, pattern in PARTS:
-        if re.search(pattern, op_name):
+        if pattern.search(op_name):
             return part
     return OTHER
 

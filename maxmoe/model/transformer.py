@@ -54,10 +54,12 @@ class Block(nnx.Module):
 
     def __call__(self, x, segment_ids, positions):
         # named scopes label the ops of each part in profiles (`maxmoe bench --profile`)
+        h = self.attn_norm(x)
         with jax.named_scope("attention"):
-            x = x + self.attn(self.attn_norm(x), segment_ids, positions)
+            x = x + self.attn(h, segment_ids, positions)
+        h = self.mlp_norm(x)
         with jax.named_scope("moe" if isinstance(self.mlp, MoE) else "mlp"):
-            y = self.mlp(self.mlp_norm(x))
+            y = self.mlp(h)
         y, aux = y if isinstance(y, tuple) else (y, {})
         x = shard(x + y, ("batch", "seq", "act_embed"))
         aux["activation_rms"] = jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
