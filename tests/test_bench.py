@@ -7,7 +7,8 @@ import pytest
 
 from maxmoe.bench import benchmark
 from maxmoe.metrics.flops import flops_per_token
-from maxmoe.metrics.profile import COLLECTIVES, categorize, matmul_instructions, op_names
+from maxmoe.metrics.profile import (COLLECTIVES, categorize, collective_instructions,
+                                    matmul_instructions, op_names)
 from tests.helpers import small_config
 from maxmoe.validation import validate
 
@@ -22,9 +23,12 @@ def test_op_names_and_matmuls_from_hlo_text():
 ENTRY %main (a: f32[4,4]) -> f32[4,4] {
   %a = f32[4,4]{1,0} parameter(0)
   %exp.1 = f32[4,4]{1,0} exponential(%a), metadata={op_name="jit(f)/jvp()/while/body/closed_call/attention/exp"}
+  %psum.2 = f32[4,4]{1,0} all-reduce(%exp.1), replica_groups={}, to_apply=%add
+  %ag = (f32[4,4]{1,0}, f32[8,4]{1,0}) all-gather-start(%exp.1), dimensions={0}
   ROOT %fusion.7 = f32[4,4]{1,0} fusion(%exp.1), kind=kCustom, calls=%fused_computation.1, metadata={op_name="jit(f)/transpose(jvp(lm_head))/dot_general"}
 }
 """
+    assert collective_instructions(hlo) == {"psum.2", "ag"}
     names = op_names(hlo)
     assert names == {"exp.1": "jit(f)/jvp()/while/body/closed_call/attention/exp",
                      "fusion.7": "jit(f)/transpose(jvp(lm_head))/dot_general"}
@@ -33,7 +37,7 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
     assert categorize(names["fusion.7"]) == "lm head"
     assert categorize("jit(f)/transpose(jvp())/while/body/closed_call/moe/shard_map/"
                       "grouped_matmul/while/body/dot_general") == "moe: grouped matmul"
-    assert categorize("jit(f)/moe/shard_map/psum", "all-reduce.3") == COLLECTIVES
+    assert categorize("jit(f)/moe/shard_map/psum", collective=True) == COLLECTIVES
 
 
 def test_bench_figures_and_profile_breakdown(tmp_path):

@@ -17,8 +17,9 @@ import re
 from pathlib import Path
 
 COLLECTIVES = "collectives (incl. waiting for peers)"
-_COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                   "collective-permute", "ragged-all-to-all")
+_COLLECTIVE_OPS = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                   "collective-permute", "ragged-all-to-all", "collective-broadcast"}
+_OPCODE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^=]*?\)|\S+) ([\w\-]+)\(")
 # (category, scope path) in order, first match wins. A scope shows up as /name/ or, when a
 # transform wraps it (unrolled layers, the LM head), as jvp(name)/ or transpose(jvp(name))/;
 # under shard_map the expert parts sit below moe/shard_map/.
@@ -41,7 +42,6 @@ PARTS = [(part, re.compile(r".*".join(_S.format(n) for n in path.split("/")))) f
 ]]
 OTHER = "other (grad norm, guards, metrics)"
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
-_OPCODE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = \S+(?: \S+)*? (\w[\w\-]*)\(")
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
@@ -51,6 +51,16 @@ def op_names(hlo_text: str) -> dict[str, str]:
         m = _INSTRUCTION.match(line)
         if m:
             out[m.group(1)] = m.group(2)
+    return out
+
+
+def collective_instructions(hlo_text: str) -> set[str]:
+    """Names of cross-device ops (all-reduce, all-gather, ..., async -start/-done halves)."""
+    out = set()
+    for line in hlo_text.splitlines():
+        m = _OPCODE.match(line)
+        if m and m.group(2).removesuffix("-start").removesuffix("-done") in _COLLECTIVE_OPS:
+            out.add(m.group(1))
     return out
 
 
@@ -73,9 +83,9 @@ def matmul_instructions(hlo_text: str) -> set[str]:
     return {n for n in with_dot} | {f for f, c in fusion_calls.items() if c in with_dot}
 
 
-def categorize(op_name: str, instruction: str = "") -> str:
-    """The part an op belongs to, from its instruction name (collectives) and op_name path."""
-    if instruction.split(".")[0].removesuffix("-start").removesuffix("-done") in _COLLECTIVE_OPS:
+def categorize(op_name: str, collective: bool = False) -> str:
+    """The part an op belongs to: collectives first, else by its op_name path."""
+    if collective:
         return COLLECTIVES
     for part, pattern in PARTS:
         if pattern.search(op_name):
@@ -116,12 +126,13 @@ def breakdown(trace_dir: Path, hlo_text: str, steps: int) -> list[dict]:
     """Rows {part, forward_ms, backward_ms, matmul_ms, total_ms, share} per step, largest first;
     then up to TOP rows {part: "op <instruction>", op_name, total_ms, share} of the costliest ops."""
     names, matmuls = op_names(hlo_text), matmul_instructions(hlo_text)
+    collectives = collective_instructions(hlo_text)
     module = re.match(r"\s*HloModule ([\w.\-]+)", hlo_text)
     times = instruction_times(trace_dir, names, module.group(1) if module else "")
     rows = collections.defaultdict(lambda: collections.Counter())
     for name, ns in times.items():
         op, ms = names[name], ns / 1e6 / steps
-        row = rows[categorize(op, name)]
+        row = rows[categorize(op, name in collectives)]
         row["backward_ms" if "transpose(" in op else "forward_ms"] += ms
         if name in matmuls:
             row["matmul_ms"] += ms
