@@ -109,27 +109,41 @@ def test_probability_policy_keeps_the_highest_weights():
     assert list(np.flatnonzero(by_position >= 0)) == [0, 1, 2, 3, 4]
 
 
-def test_block_matmul_values_and_gradients_equal_float64_reference():
-    """block_matmul's custom VJP: blocks past `used` are zero and get no gradient; dw sums
-    over every block of an expert. Reference: float64 NumPy; float32 tolerance rtol 1e-5."""
-    from maxmoe.parallel.experts import block_matmul
+def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
+    """block_expert_mlp's custom VJP: blocks past `used` are zero and get no gradient; weight
+    gradients sum over every block of an expert. Reference: float64 NumPy (SwiGLU written
+    out, its derivative by hand and by central differences of the reference); float32
+    tolerance rtol 1e-4, atol 1e-5."""
+    from maxmoe.parallel.experts import block_expert_mlp
 
     rng = np.random.default_rng(0)
-    xb = rng.normal(size=(5, 4, 3)).astype(np.float32)
-    w = rng.normal(size=(3, 3, 2)).astype(np.float32)
-    g = rng.normal(size=(5, 4, 2)).astype(np.float32)
-    block_expert, used = jnp.array([0, 0, 2, 1, 1], jnp.int32), 4
-    out, vjp = jax.vjp(lambda a, b: block_matmul(a, b, block_expert, used), xb, w)
-    dx, dw = vjp(g)
-    x64, w64, g64 = (a.astype(np.float64) for a in (xb, w, g))
-    want = np.zeros((5, 4, 2))
-    want_dx, want_dw = np.zeros_like(x64), np.zeros_like(w64)
-    for i in range(used):
-        e = block_expert[i]
-        want[i] = x64[i] @ w64[e]
-        want_dx[i] = g64[i] @ w64[e].T
-        want_dw[e] += x64[i].T @ g64[i]
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-6)
+    n, bs, d, f, e_count, used = 5, 4, 3, 2, 3, 4
+    xb = rng.normal(size=(n, bs, d)).astype(np.float32)
+    wgu = rng.normal(size=(e_count, d, 2 * f)).astype(np.float32)
+    wd = rng.normal(size=(e_count, f, d)).astype(np.float32)
+    g = rng.normal(size=(n, bs, d)).astype(np.float32)
+    block_expert = jnp.array([0, 0, 2, 1, 1], jnp.int32)
+    out, vjp = jax.vjp(lambda a, b, c: block_expert_mlp(a, b, c, block_expert, used), xb, wgu, wd)
+    dx, dwgu, dwd = vjp(g)
+
+    def reference(x, wgu, wd):  # float64; loss = sum(out * g)
+        out = np.zeros((n, bs, d))
+        for i in range(used):
+            e = int(block_expert[i])
+            gu = x[i] @ wgu[e]
+            gate, up = gu[:, :f], gu[:, f:]
+            out[i] = (gate / (1 + np.exp(-gate)) * up) @ wd[e]
+        return out
+
+    args = [a.astype(np.float64) for a in (xb, wgu, wd)]
+    np.testing.assert_allclose(out, reference(*args), rtol=1e-4, atol=1e-5)
+    g64, eps = g.astype(np.float64), 1e-6
+    for k, got in enumerate((dx, dwgu, dwd)):
+        want = np.zeros_like(args[k])
+        for idx in np.ndindex(*args[k].shape):  # central differences of the float64 reference
+            hi, lo = [a.copy() for a in args], [a.copy() for a in args]
+            hi[k][idx] += eps
+            lo[k][idx] -= eps
+            want[idx] = np.sum((reference(*hi) - reference(*lo)) * g64) / (2 * eps)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert not np.any(np.asarray(out)[used:]) and not np.any(np.asarray(dx)[used:])
