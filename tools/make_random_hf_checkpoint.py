@@ -14,25 +14,18 @@ from pathlib import Path
 import numpy as np
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("preset")
-    parser.add_argument("out_dir")
-    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE config overrides")
-    parser.add_argument("--shard-gb", type=float, default=5.0)
-    args = parser.parse_args()
-
-    from maxmoe.config import load_config
+def write_random_checkpoint(cfg, out: Path, shard_bytes: int) -> int:
+    """Writes config.json + random bf16 safetensors of the model cfg describes; returns the
+    number of hub parameters."""
     from maxmoe.convert.checkpoint_io import abstract_params
     from maxmoe.convert.hf_config import config_to_hf, family_for
     from maxmoe.convert.names import hub_shape, hub_tensors, mtp_shared_copies
     from maxmoe.convert.safetensors_io import write_safetensors
 
-    cfg, _ = load_config([args.preset], args.overrides)
     shapes = abstract_params(cfg)
     tensors = hub_tensors(cfg, family_for(cfg)) + mtp_shared_copies(cfg)
     plan = [(t.name, hub_shape(t, shapes), "BF16") for t in tensors]
-    out = Path(args.out_dir)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_to_hf(cfg, None, "bfloat16"), indent=2))
     rng = np.random.default_rng(0)
@@ -49,9 +42,23 @@ def main() -> None:
             return np.ones(shape_of[name], np.float32)
         return rng.normal(0, 0.02, shape_of[name]).astype(np.float32)
 
-    write_safetensors(out, plan, produce, int(args.shard_gb * 2**30))
-    total = sum(int(np.prod(s)) for _, s, _ in plan)
-    print(f"{out}: {total / 1e9:.2f}B hub parameters in {len(plan)} tensors")
+    write_safetensors(out, plan, produce, shard_bytes)
+    return sum(int(np.prod(s)) for _, s, _ in plan)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("preset")
+    parser.add_argument("out_dir")
+    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE config overrides")
+    parser.add_argument("--shard-gb", type=float, default=5.0)
+    args = parser.parse_args()
+
+    from maxmoe.config import load_config
+
+    cfg, _ = load_config([args.preset], args.overrides)
+    total = write_random_checkpoint(cfg, Path(args.out_dir), int(args.shard_gb * 2**30))
+    print(f"{args.out_dir}: {total / 1e9:.2f}B hub parameters")
 
 
 if __name__ == "__main__":

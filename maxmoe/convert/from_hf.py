@@ -1,8 +1,9 @@
 """Hugging Face safetensors -> maxmoe params, one tensor at a time.
 
 The destination arrays (float32, the model once) are allocated up front; each hub tensor is read
-memory-mapped, dequantized if FP8, and copied into its slices, so the model never sits in
-memory twice. Unknown and missing tensors are reported before anything is read.
+memory-mapped, dequantized if FP8, and cast into its slices; the save writes those arrays in
+place, so the model never sits in memory twice. Unknown and missing tensors are reported before
+anything is read.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import numpy as np
 from maxmoe.config import Config
 from maxmoe.convert.checkpoint_io import abstract_params
 from maxmoe.convert.hf_config import config_from_hf, family_of
-from maxmoe.convert.names import (hub_shape, hub_tensors, hub_to_params, mtp_shared_copies,
-                                  params_to_hub)
+from maxmoe.convert.names import hub_shape, hub_tensors, hub_to_params, mtp_shared_copies
 from maxmoe.convert.safetensors_io import (SCALE_SUFFIX, ConversionError, SafetensorsReader,
                                            iter_names_with_scales)
 
@@ -72,8 +72,10 @@ def read_hf(hf_dir: Path, base: Config | None = None) -> tuple[Config, dict, dic
                                   f"implies {list(want)}; fix config.json")
         hub_to_params(tensor, value, params)
         dtypes[name] = "BF16" if name + SCALE_SUFFIX in reader.files else reader.dtype_name(name)
+    main_of = {t.parts: n for n, t in expected.items()}
     for name, tensor in copies.items():  # must repeat the shared tensor exactly
-        if name in present and not np.array_equal(reader.get(name), params_to_hub(tensor, params)):
+        if name in present and not np.array_equal(reader.get(name),
+                                                  reader.get(main_of[tensor.parts])):
             raise ConversionError(f"tensor '{name}' differs from the main model's; maxmoe shares "
                                   "the MTP embedding and head, so it cannot hold this checkpoint")
         if name in present:

@@ -1,9 +1,9 @@
-"""Safetensors files, single or sharded with an index, read lazily and written shard by shard.
+"""Safetensors files, single or sharded with an index, read lazily and written tensor by tensor.
 
 Reading memory-maps each file and returns one tensor at a time (no copy until it is used),
 including float8 tensors that the `safetensors` numpy binding cannot return (it has no
 ml_dtypes). FP8 E4M3 weights with 128x128 block scales (`<name>_scale_inv`, DeepSeek-V3 hub
-format) are dequantized here. Writing uses `safetensors.numpy`, one shard in memory at a time.
+format) are dequantized here. Writing streams each tensor to its shard as it is produced.
 """
 
 from __future__ import annotations
@@ -84,11 +84,12 @@ class SafetensorsReader:
         return data.view(dtype).reshape(entry["shape"])
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor in float32, FP8 block-scaled weights dequantized."""
+        """The tensor's values: as stored (memory-mapped; assigning into float32 arrays casts
+        exactly), FP8 block-scaled weights dequantized to float32."""
         scale = name + SCALE_SUFFIX
         if scale in self._entries:
             return dequantize_fp8(self.raw(name), self.raw(scale))
-        return np.asarray(self.raw(name), np.float32)
+        return self.raw(name)
 
 
 def dequantize_fp8(weight: np.ndarray, scale_inv: np.ndarray) -> np.ndarray:
@@ -103,36 +104,53 @@ def write_safetensors(directory: Path, plan: list[tuple[str, tuple[int, ...], st
                       produce: Callable[[str], np.ndarray], max_shard_bytes: int) -> list[Path]:
     """Writes tensors (name, shape, dtype name) into shards of at most max_shard_bytes.
 
-    produce(name) returns the tensor, called once per tensor when its shard is written.
-    One shard is written as `model.safetensors`; more get `model-0000i-of-0000n.safetensors`
-    plus `model.safetensors.index.json`.
+    produce(name) returns the tensor, called once per tensor in plan order; each is written
+    as soon as it is produced, so one tensor is in memory at a time. One shard is written as
+    `model.safetensors`; more get `model-0000i-of-0000n.safetensors` plus
+    `model.safetensors.index.json`.
     """
-    shards: list[list[tuple[str, str]]] = [[]]
+    shards: list[list[tuple[str, tuple[int, ...], str]]] = [[]]
     size = 0
     for name, shape, dtype in plan:
         nbytes = int(np.prod(shape)) * np.dtype(DTYPES[dtype]).itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, dtype))
+        shards[-1].append((name, shape, dtype))
         size += nbytes
-    from safetensors.numpy import save_file
-
     n = len(shards)
     paths, weight_map = [], {}
     for i, shard in enumerate(shards):
         file = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        tensors = {name: np.ascontiguousarray(produce(name).astype(DTYPES[dtype]))
-                   for name, dtype in shard}
-        save_file(tensors, str(directory / file), metadata={"format": "pt"})
-        del tensors
-        weight_map.update({name: file for name, _ in shard})
+        _write_file(directory / file, shard, produce)
+        weight_map.update({name: file for name, _, _ in shard})
         paths.append(directory / file)
     if n > 1:
         total = sum(int(np.prod(s)) * np.dtype(DTYPES[d]).itemsize for _, s, d in plan)
         (directory / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return paths
+
+
+def _write_file(path: Path, tensors: list[tuple[str, tuple[int, ...], str]],
+                produce: Callable[[str], np.ndarray]) -> None:
+    """One safetensors file: the header (all offsets follow from the shapes), then the data."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, dtype in tensors:
+        nbytes = int(np.prod(shape)) * np.dtype(DTYPES[dtype]).itemsize
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, dtype in tensors:
+            value = np.ascontiguousarray(produce(name), DTYPES[dtype])
+            assert value.shape == tuple(shape), (name, value.shape, shape)
+            f.write(value.reshape(-1).view(np.uint8).data)
+            del value  # before the next produce()
 
 
 def iter_names_with_scales(names: Iterable[str]) -> list[str]:

@@ -1,23 +1,30 @@
 """Conversion: HF -> maxmoe -> HF is bit-identical per tensor (single file and sharded, MTP
 layers included); FP8 block-scaled weights dequantize like a float64 NumPy reference; unknown or
-missing tensors are one-line errors with exit code 2; the CLI round trip reproduces HF logits."""
+missing tensors are one-line errors with exit code 2; the CLI round trip reproduces HF logits;
+neither direction holds the model twice."""
 
 import json
 import shutil
+import tracemalloc
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+import maxmoe.convert.to_hf
 from maxmoe.cli import main
+from maxmoe.config import load_config
+from maxmoe.convert.checkpoint_io import abstract_params, restore_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
 from maxmoe.convert.names import get_path
 from maxmoe.convert.safetensors_io import SafetensorsReader, dequantize_fp8
 from maxmoe.convert.to_hf import convert_to_hf
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "hf"
 DEEPSEEK = FIXTURES / "deepseek_v3_qlora_interleave_yarn"  # layers: 0 dense, 1-2 MoE
 
 
@@ -179,3 +186,36 @@ def test_cli_convert_then_forward_reproduces_hf_logits(tmp_path, capsys):
     assert np.max(np.abs(logits - np.load(name / "logits.npy"))) < 1e-4
     assert run_cli(capsys, "convert", "to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"))[0] == 0
     assert_bit_identical(hub_tensors(tmp_path / "hf"), hub_tensors(name))
+
+
+def test_conversion_never_holds_the_model_twice(tmp_path, monkeypatch):
+    """from-hf fills the float32 params once and saves them in place (Orbax's default numpy
+    handler deep-copies every array: 2x); to-hf restores one param group at a time."""
+    # imported before measuring, or its import counts as allocations
+    import orbax.checkpoint  # noqa: F401
+
+    from tools.make_random_hf_checkpoint import write_random_checkpoint
+
+    cfg, _ = load_config([str(ROOT / "configs" / "models" / "tiny_deepseek_v3.yaml")],
+                         ["model.vocab_size=4096", "moe.num_experts=16"])
+    write_random_checkpoint(cfg, tmp_path / "hub", 2**20)
+    model_bytes = sum(x.size * 4 for x in jax.tree.leaves(abstract_params(cfg)))  # 12.5 MB
+    tracemalloc.start()  # numpy reports its arrays; tensorstore's buffers are not seen
+    try:
+        convert_from_hf(tmp_path / "hub", tmp_path / "maxmoe")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.5 * model_bytes
+
+    restored = []
+
+    def restore_and_count(*args):
+        params = restore_params(*args)
+        restored.append(sum(x.nbytes for x in jax.tree.leaves(params)))
+        return params
+
+    monkeypatch.setattr(maxmoe.convert.to_hf, "restore_params", restore_and_count)
+    convert_to_hf(tmp_path / "maxmoe", tmp_path / "hf", max_shard_bytes=2**20)
+    assert sum(restored) == model_bytes and max(restored) < model_bytes / 4
+    assert_bit_identical(hub_tensors(tmp_path / "hf"), hub_tensors(tmp_path / "hub"))
