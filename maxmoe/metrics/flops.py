@@ -104,4 +104,5 @@ def peak_flops(cfg: Config) -> tuple[float, str]:
             if name in device.device_kind:
                 return peak * n, f"{device.device_kind} bf16 data-sheet peak"
     # fake CPU devices share the host's cores: the host peak is the peak of all of them
-    return measure_matmul_peak(), "best float32 2048x2048 matmul of 10 on this host"
+    dtype = jnp.dtype(cfg.precision.compute_dtype)  # a bfloat16 run against a bfloat16 matmul
+    return measure_matmul_peak(dtype), f"best {dtype.name} 2048x2048 matmul of 10 on this host"
