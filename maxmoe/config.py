@@ -178,7 +178,7 @@ class DataConfig:
     seed: int = 0  # shuffling seed
     num_workers: int = 0  # grain worker processes (0 = in the main process)
     streams: int = 16  # train rows interleave this many packed document streams (1 = one stream)
-    prefetch_batches: int = 4  # batches each worker process keeps ready ahead of the step
+    prefetch_batches: int = 4  # train batches kept ready ahead of the step (per worker; 0 = off)
     validation_fraction: float = 0.02  # documents held out for evaluation (raw sources only)
     # weighted prepared datasets 'DIR:WEIGHT,DIR:WEIGHT' (weights = token shares); empty =
     # `source` alone. `source` may itself be a folder written by `maxmoe data prepare`.

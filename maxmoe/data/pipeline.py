@@ -2,7 +2,7 @@
 
     documents (this process's share) -> shuffle (seed, reshuffled each epoch) -> repeat
     -> tokenize (lazily, in map) -> concat-then-split packing -> row features -> batch
-    -> optional worker processes
+    -> optional worker processes -> (train) a prefetch thread
 
 `data.source` is raw text (files are documents, tokenized here) or a folder written by
 `maxmoe data prepare` (ArrayRecord records are documents, already tokenized); `data.mixture`
@@ -150,7 +150,8 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
     Train repeats `num_epochs` times (None = forever), reshuffled every epoch from
     `cfg.seed`, and drops a last partial batch. Validation is one pass in file order whose
     last batch is padded with empty rows (loss_mask 0) so every batch has one shape.
-    `iter(dataset)` supports get_state()/set_state() for exact resumption.
+    `iter(dataset)` supports get_state()/set_state() for exact resumption. Train batches are
+    made ahead by a thread, up to `cfg.prefetch_batches` of them (0 = on demand).
     """
     batch_size = local_batch_size(cfg, process_count)
     training = split == "train"
@@ -204,7 +205,21 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
         # (for the same num_workers).
         batches = batches.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=cfg.num_workers, per_worker_buffer_size=cfg.prefetch_batches))
+    if training and cfg.prefetch_batches > 0:
+        batches = prefetch(batches, cfg.prefetch_batches)
     return batches
+
+
+def prefetch(batches: grain.IterDataset, size: int) -> grain.IterDataset:
+    """A thread keeps up to `size` batches ready while the train step runs.
+
+    The iterator's get_state() is the position after the batches handed out by next(), not
+    after those waiting in the buffer (grain records the state next to each buffered
+    element), so a checkpoint taken between steps resumes exactly; set_state() drops the
+    buffer and restarts the thread from the new position. The state has the same form as
+    the unbuffered pipeline's, so checkpoints written with or without it are interchangeable.
+    """
+    return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=size)
 
 
 def _prepared_documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, process_index: int,

@@ -37,15 +37,18 @@ class MetricsWriter:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        # share of the window's wall time the device had no step to run (loop.py _HostTiming)
+        host = record.get("host_overhead_fraction")
         if self.bar is not None:
             self.bar.update(step - self.last_step)
             self.bar.set_postfix(loss=f"{_number(record['loss']):.3f}",
                                  tok_s=f"{record['tokens_per_second']:.0f}",
-                                 mfu=f"{100 * record['mfu']:.1f}%")
+                                 mfu=f"{100 * record['mfu']:.1f}%",
+                                 **({"host": f"{100 * host:.1f}%"} if host is not None else {}))
         else:
             print(f"step {step}: loss {_number(record['loss']):.4f} tokens/s "
-                  f"{record['tokens_per_second']:.0f} mfu {100 * record['mfu']:.1f}%",
-                  file=sys.stderr)
+                  f"{record['tokens_per_second']:.0f} mfu {100 * record['mfu']:.1f}%"
+                  + (f" host {100 * host:.1f}%" if host is not None else ""), file=sys.stderr)
         self.last_step = step
 
     def close(self) -> None:

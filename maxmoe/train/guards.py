@@ -8,10 +8,17 @@ Two halves:
   the gradient norm is a spike: a z-score above `spike_zscore` against the last `spike_window`
   applied steps (kept as ring buffers in the train state, so they are checkpointed). Skipped
   steps are counted; skipped steps never enter the spike statistics.
-- `Guard` runs in the loop after each step and turns the step's flags into an `Action`:
-  continue; skipped (logged); rollback (restore the last checkpoint, skip the data batches
-  from there through the spike, continue); or stop (`TrainingStopped`, raised by the loop
-  before the bad step is saved, so the last good checkpoint stays the newest).
+- `Guard` runs on the host and turns each step's flags into an `Action`: continue; skipped
+  (logged); rollback (restore the last checkpoint, skip the data batches from there through
+  the spike, continue); or stop (`TrainingStopped`, raised by the loop before the bad step is
+  saved, so the last good checkpoint stays the newest).
+
+The host half acts one step late: the loop (loop.py) reads step N's flags only after it has
+dispatched step N+1, so the host never stalls the device. That is safe because the update of
+a bad step N was already dropped inside step N; step N+1, which is running when the decision
+comes, is discarded on rollback or stop (never logged, never saved). A step whose state is
+saved, evaluated or is the last is observed before that happens, and step N is always
+observed before step N+1's checkpoint: no checkpoint holds a state the guard has not seen.
 
 Guard state in the train state: {"skipped_steps", "consecutive_skips", "history_count" i32 [],
 "loss_history", "grad_norm_history" f32 [W]}.
@@ -33,7 +40,7 @@ from maxmoe.config import GuardConfig
 # so noise on a flat curve is not a spike
 RELATIVE_STD_FLOOR = 0.01
 
-# scalars the loop reads every step (one small device-to-host copy)
+# scalars the guard reads every step (part of one small device-to-host copy, one step late)
 GUARD_METRICS = ("skipped", "nonfinite", "spike", "over_ceiling", "loss_scale_at_min",
                  "consecutive_skips", "skipped_steps", "loss", "grad_norm", "loss_zscore",
                  "grad_norm_zscore", "activation_rms_max", "update_ratio_max", "loss_scale")
@@ -123,10 +130,12 @@ def _stderr(msg: str) -> None:
 
 @dataclass
 class Guard:
-    """The host half: `observe(step, metrics)` after every step -> Decision.
+    """The host half: `observe(step, metrics)` once per step, in step order -> Decision.
 
     step is the number of steps taken (the loop's `done`); metrics the step's metric dict
-    (device arrays: only the GUARD_METRICS scalars are copied to the host).
+    (host values, or device arrays of which only the GUARD_METRICS scalars are copied). The
+    loop calls it when the next step is already running (see the module doc); messages name
+    the observed step, not the running one.
     """
     cfg: GuardConfig
     log: Callable[[str], None] = _stderr
@@ -187,7 +196,9 @@ class Guard:
         """Restores the newest checkpoint and moves the data past the spike at `step`.
 
         Returns (state, restored step), or None when there is no checkpoint yet (the spike's
-        update was already skipped in the step, so training simply continues).
+        update was already skipped in the step, so training simply continues). Batches the
+        iterator handed out after the spike (to the step that was running when the spike was
+        seen) are taken back by restoring its position.
         """
         if checkpointer.latest_step() is None:
             self.log(f"step {step}: loss spike but no checkpoint to roll back to yet; "

@@ -8,6 +8,14 @@ Fault tolerance (README "Multi-host launch and fault tolerance"):
   with its first `step` batches skipped on every process (not the same rows as before);
 - SIGTERM: every process stops after the same step, saves it and returns with
   summary["preempted"] = True (the CLI then exits with code 75).
+
+Host and device overlap (issue 8): the loop never waits for a step before it has dispatched
+the next one. While the device runs step N+1 the host reads step N's metrics (guards,
+logging) and the data thread's next batch is sharded; the host's guard decisions therefore
+land one step late (guards.py). A step whose state is read on the host (saved, evaluated,
+the last one, a SIGTERM stop) is settled before anything else happens, so no checkpoint
+holds a state that a guard has not cleared. metrics.jsonl gets the host-side costs per
+logging window (see _HostTiming).
 """
 
 from __future__ import annotations
@@ -42,6 +50,73 @@ def global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]
 def log(msg: str) -> None:
     if jax.process_index() == 0:
         print(msg, file=sys.stderr, flush=True)
+
+
+class _HostTiming:
+    """Where the loop's wall time goes, measured without a device sync per step.
+
+    Per logging window, per step: `data_wait` is the time blocked in next(data_iter) (the
+    prefetch buffer was empty), `device_wait` the time blocked on a step's results. The
+    device is idle only while no step is queued; just before each dispatch the loop asks,
+    without blocking, whether the previous step has finished, and if so counts the time since
+    the device was last seen busy (a probe that found a step unfinished, or the end of a
+    wait that blocked) as idle. That is an upper bound, exact to one probe interval, and
+    `host_overhead_fraction` = idle / wall (0 while the host keeps a step queued).
+    On a CPU backend host threads also slow the step itself by sharing its cores; that
+    shows in step time against `maxmoe bench`, not here.
+    """
+
+    def __init__(self):
+        self._latest = None  # an output of the newest dispatched step
+        self._busy_at = 0.0  # the last moment the device was known to have work
+        self.reset()
+
+    def reset(self) -> None:
+        self.data_wait = self.device_wait = self.idle = 0.0
+
+    def probe(self) -> None:
+        """Non-blocking: notes that the device is busy if the newest step is unfinished."""
+        if self._latest is not None and not self._latest.is_ready():
+            self._busy_at = time.perf_counter()
+
+    def next_batch(self, data_iter):
+        t = time.perf_counter()
+        local = next(data_iter)
+        self.data_wait += time.perf_counter() - t
+        self.probe()
+        return local
+
+    def dispatching(self) -> None:
+        if self._latest is not None and self._latest.is_ready():
+            self.idle += time.perf_counter() - self._busy_at
+
+    def dispatched(self, metrics: dict) -> None:
+        self._latest, self._busy_at = metrics["loss"], time.perf_counter()
+
+    def fetch(self, metrics: dict) -> dict:
+        """The step's metrics on the host (blocks until the step has run)."""
+        t = time.perf_counter()
+        waited = not metrics["loss"].is_ready()
+        host = jax.device_get(metrics)
+        now = time.perf_counter()
+        self.device_wait += now - t
+        if waited:  # the device was busy until now (and the newest step is queued, or it)
+            self._busy_at = now
+        self.probe()
+        return host
+
+    def busy_now(self) -> None:
+        """The device just finished work of the loop's own (evaluation)."""
+        self._busy_at = time.perf_counter()
+
+    def window(self, steps: int, wall: float) -> dict:
+        """Per-step costs of the window that just ended, then starts a new one."""
+        n = max(steps, 1)
+        record = {"data_wait_s": self.data_wait / n,
+                  "host_time_s": max(wall - self.device_wait, 0.0) / n,
+                  "host_overhead_fraction": min(self.idle / wall, 1.0) if wall > 0 else 0.0}
+        self.reset()
+        return record
 
 
 class _Preemption:
@@ -164,67 +239,114 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
                            progress_bar=cfg.logging.progress_bar)
     evaluate = make_evaluator(cfg, trainer, tokenizer) if cfg.train.eval_every_steps else None
     guard = Guard(cfg.guard, log)
+    timing = _HostTiming()
     summary = {"start_step": start, "first_loss": None, "preempted": False, "resume_s": resume_s,
                "save_blocking_s": []}
-    window_start, window_steps = None, 0
+    window = {"start": None, "steps": 0}
     t0 = time.perf_counter()
+
+    def saved_at(done: int) -> bool:
+        # the Checkpointer's FixedIntervalPolicy; the last and the preempted step are forced
+        return cfg.checkpoint.enabled and done % cfg.checkpoint.every_steps == 0
+
+    def settle(done: int, metrics: dict):
+        """Guard decisions on step `done` -> (host metrics, None) or (None, (state, step)) after
+        a rollback. Raises TrainingStopped before anything of the step is saved."""
+        host = timing.fetch(metrics)
+        decision = guard.observe(done, host)  # guards.py: skip / rollback / stop
+        if decision.action is Action.STOP:
+            raise TrainingStopped(decision.message)
+        if decision.action is not Action.CONTINUE:
+            log(decision.message)
+        if decision.action is Action.ROLLBACK:
+            restored = guard.rollback(done, ckpt, trainer.abstract_state, data_iter)
+            if restored is not None:
+                return None, restored
+        return host, None
+
+    def record(done: int, host: dict, last: bool, eval_metrics=None, eval_s: float = 0.0):
+        """Counts step `done` into the logging window; writes the window when it ends."""
+        if window["start"] is None:  # the first step compiles: time from its end on
+            window["start"], window["steps"] = time.perf_counter(), 0
+            summary["compile_and_first_step_s"] = window["start"] - t0
+            summary["first_loss"] = float(host["loss"])
+            timing.reset()
+        else:
+            window["steps"] += 1
+        if not (done % cfg.logging.every_steps == 0 or last or eval_metrics):
+            return
+        steps = window["steps"]
+        elapsed = time.perf_counter() - window["start"] - eval_s
+        tps = tokens_per_step * steps / elapsed if steps else 0.0
+        window["start"], window["steps"] = time.perf_counter(), 0
+        rec = {k: v for k, v in host.items() if np.ndim(v) == 0}
+        rec.setdefault("activation_rms_max",  # all layers, from the step (guards)
+                       float(np.max(host.get("activation_rms", 0.0))))
+        rec.update(tokens_per_second=tps, mfu=tps / tokens_per_step * model_flops / peak,
+                   step_time_s=tokens_per_step / tps if tps else None)
+        rec.update(timing.window(steps, elapsed) if steps else {})
+        rec.update(eval_metrics or {})
+        writer.write(done, rec)
+        summary.update(last_loss=float(host["loss"]), tokens_per_second=tps, mfu=rec["mfu"],
+                       host_overhead_fraction=rec.get("host_overhead_fraction"))
+
+    def next_batch():
+        return global_batch(timing.next_batch(data_iter), trainer.batch_sharding)
+
     try:
-        step = start
+        step, batch, pending = start, None, None
         while step < total:  # a guard rollback moves `step` back
-            batch = global_batch(next(data_iter), trainer.batch_sharding)
+            if batch is None:
+                batch = next_batch()
+            timing.dispatching()
             state, metrics = trainer.step(state, batch)
-            done = step + 1
-            decision = guard.observe(done, metrics)  # guards.py: skip / rollback / stop
-            if decision.action is Action.STOP:  # before saving: the last checkpoint stays good
-                raise TrainingStopped(decision.message)
-            if decision.action is not Action.CONTINUE:
-                log(decision.message)
-            if decision.action is Action.ROLLBACK:
-                restored = guard.rollback(done, ckpt, trainer.abstract_state, data_iter)
+            timing.dispatched(metrics)
+            done, batch = step + 1, None
+            stop = preemption.reached(done)
+            last = done == total or stop
+            timing.probe()
+            if pending is not None:
+                # step done-1, one step late: the device runs step `done` meanwhile. A bad
+                # update was already kept out of `state` by the step itself (guards.select).
+                host, restored = settle(*pending)
+                pending = None
+                if restored is not None:  # step `done`, still running, is dropped
+                    state, step = restored
+                    continue
+                record(done - 1, host, False)
+            evaluating = evaluate is not None and done % cfg.train.eval_every_steps == 0
+            if last or evaluating or saved_at(done) or window["start"] is None:
+                # its state is read now: settle it first, so a bad state is never saved
+                host, restored = settle(done, metrics)
                 if restored is not None:
                     state, step = restored
                     continue
-            if window_start is None:  # the first step compiles: time from its end on
-                jax.block_until_ready(metrics)
-                window_start, window_steps = time.perf_counter(), 0
-                summary["compile_and_first_step_s"] = window_start - t0
-                summary["first_loss"] = float(metrics["loss"])
-            else:
-                window_steps += 1
-            stop = preemption.reached(done)
-            last = done == total or stop
-            eval_metrics, eval_s = None, 0.0
-            if evaluate is not None and done % cfg.train.eval_every_steps == 0:
+                eval_metrics, eval_s = None, 0.0
+                if evaluating:
+                    t = time.perf_counter()
+                    eval_metrics = {EVAL_LOSS: evaluate(state)}
+                    eval_s = time.perf_counter() - t  # not training time: kept out of tokens/s
+                    timing.busy_now()
+                    log(f"step {done}: eval loss {eval_metrics[EVAL_LOSS]:.4f}")
+                record(done, host, last, eval_metrics, eval_s)
                 t = time.perf_counter()
-                eval_metrics = {EVAL_LOSS: evaluate(state)}
-                eval_s = time.perf_counter() - t  # not training time: kept out of tokens/s
-                log(f"step {done}: eval loss {eval_metrics[EVAL_LOSS]:.4f}")
-            if done % cfg.logging.every_steps == 0 or last or eval_metrics:
-                metrics = jax.device_get(metrics)
-                elapsed = time.perf_counter() - window_start - eval_s
-                tps = tokens_per_step * window_steps / elapsed if window_steps else 0.0
-                window_start, window_steps = time.perf_counter(), 0
-                record = {k: v for k, v in metrics.items() if np.ndim(v) == 0}
-                record.setdefault("activation_rms_max",  # all layers, from the step (guards)
-                                  float(np.max(metrics.get("activation_rms", 0.0))))
-                record.update(tokens_per_second=tps, mfu=tps / tokens_per_step * model_flops / peak,
-                              step_time_s=tokens_per_step / tps if tps else None)
-                record.update(eval_metrics or {})
-                writer.write(done, record)
-                summary.update(last_loss=float(metrics["loss"]), tokens_per_second=tps,
-                               mfu=record["mfu"])
-            t = time.perf_counter()
-            if ckpt.save(done, state, data_iter, force=last, config=config_json, meta=layout,
-                         metrics=eval_metrics):
-                summary["save_blocking_s"].append(round(time.perf_counter() - t, 3))
-            if stop:
-                summary["preempted"] = done < total
-                log(f"SIGTERM: saved step {done}, exiting")
-                break
+                # the iterator has handed out exactly `done` batches: the next one is fetched below
+                if ckpt.save(done, state, data_iter, force=last, config=config_json,
+                             meta=layout, metrics=eval_metrics):
+                    summary["save_blocking_s"].append(round(time.perf_counter() - t, 3))
+                if stop:
+                    summary["preempted"] = done < total
+                    log(f"SIGTERM: saved step {done}, exiting")
+                    break
+            else:
+                pending = (done, metrics)
             step = done
+            if step < total:
+                batch = next_batch()  # sharded while step `done` runs
     finally:
         preemption.restore()
         writer.close()
         ckpt.close()
+        data_iter.close()  # stops the prefetch thread
     summary["final_step"] = done
     return summary

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -218,6 +219,30 @@ def test_state_resumes_identically(text_setup):
     resumed = iter(make_dataset(cfg, tokenizer))
     resumed.set_state(state)
     _assert_same(expected, _take(resumed, 6))
+
+
+def test_prefetch_state_is_the_consumed_position(text_setup):
+    """The prefetch thread runs ahead, but get_state() is where next() has got to: the same
+    state and batches as without prefetching, and a restore continues right there."""
+    cfg, tokenizer, _ = text_setup
+    plain = iter(make_dataset(dataclasses.replace(cfg, prefetch_batches=0), tokenizer))
+    ahead = iter(make_dataset(dataclasses.replace(cfg, prefetch_batches=3), tokenizer))
+    _assert_same(_take(plain, 5), _take(ahead, 5))
+    deadline = time.monotonic() + 30
+    # grain's queue, peeked at to know that the thread has run ahead
+    while ahead._buffer.qsize() < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ahead._buffer.qsize() == 3
+    state = json.loads(json.dumps(ahead.get_state()))
+    assert state == json.loads(json.dumps(plain.get_state()))
+    expected = _take(plain, 4)
+    resumed = iter(make_dataset(cfg, tokenizer))
+    resumed.set_state(state)
+    _assert_same(expected, _take(resumed, 4))
+    ahead.set_state(state)  # the buffered batches are dropped, not handed out
+    _assert_same(expected, _take(ahead, 4))
+    for iterator in (plain, ahead, resumed):
+        iterator.close()
 
 
 def test_interleaved_streams_mix_documents_and_resume(text_setup):

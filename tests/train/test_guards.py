@@ -136,15 +136,23 @@ def test_poisoned_batches_are_skipped_or_rolled_back(tmp_path, monkeypatch, caps
     assert len(by_step[36]) == 1 and by_step[36][0]["spike"] == 0  # the redone step 36
     assert by_step[40][-1]["skipped_steps"] == 1  # the rollback restored the counters of step 30
     assert clean["first_loss"] > 5.0 and clean["last_loss"] < 3.0  # it learned
+    timed = [r for r in records if r["step_time_s"]]  # every window but the first step's
+    assert timed and all(r["data_wait_s"] >= 0 and r["host_time_s"] >= 0 and
+                         0 <= r["host_overhead_fraction"] <= 1 for r in timed)
     assert abs(summary["last_loss"] - clean["last_loss"]) < 0.1
 
 
 @pytest.mark.slow
-def test_grad_norm_ceiling_stops_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    with pytest.raises(TrainingStopped, match=r"step 14: global gradient norm .* exceeds "
-                                              r"guard.grad_norm_ceiling=10"):
-        _train(tmp_path, monkeypatch, "ceiling", {13: "huge"}, "train.steps=20",
+@pytest.mark.parametrize("bad_step", [14, 19])
+def test_grad_norm_ceiling_stops_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, bad_step):
+    """The loop reads a step's flags one step late; 19 is seen while step 20 (the last step,
+    due for a checkpoint) is already running, and step 20 must not be saved either."""
+    with pytest.raises(TrainingStopped, match=rf"step {bad_step}: global gradient norm .* "
+                                              r"exceeds guard.grad_norm_ceiling=10"):
+        _train(tmp_path, monkeypatch, "ceiling", {bad_step - 1: "huge"}, "train.steps=20",
                "guard.grad_norm_ceiling=10", "guard.spike_action=none")
     ckpt = Checkpointer(tmp_path / "ceiling" / "checkpoints", CheckpointConfig())
-    assert ckpt.all_steps() == [10]  # step 14 was neither applied nor saved
+    assert ckpt.all_steps() == [10]  # the bad step (and the one after) neither applied nor saved
     ckpt.close()
+    records = [json.loads(line) for line in (tmp_path / "ceiling" / "metrics.jsonl").open()]
+    assert records[-1]["step"] == bad_step - 1  # nothing after the last good step was logged
