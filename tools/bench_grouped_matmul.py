@@ -38,9 +38,10 @@ def main():
     p.add_argument("--dtype", default="float32")
     a = p.parse_args()
     dt = jnp.dtype(a.dtype)
-    keys = jax.random.split(jax.random.key(0), 5)
+    keys = jax.random.split(jax.random.key(0), 6)
     x = jax.random.normal(keys[0], (a.tokens, a.dim), dt)
     wg = (0.02 * jax.random.normal(keys[1], (a.experts, a.dim, a.ffn))).astype(dt)
+    wu = (0.02 * jax.random.normal(keys[5], (a.experts, a.dim, a.ffn))).astype(dt)
     wd = (0.02 * jax.random.normal(keys[2], (a.experts, a.ffn, a.dim))).astype(dt)
     weights, idx = jax.lax.top_k(jax.random.uniform(keys[3], (a.tokens, a.experts)), a.topk)
     flops = 3 * 2 * a.tokens * a.topk * a.dim * a.ffn  # gate, up, down
@@ -49,15 +50,22 @@ def main():
     def report(name, fwd, both):
         results[name] = {"forward_tflops": flops / fwd / 1e12, "train_tflops": 3 * flops / both / 1e12}
 
-    xd = jnp.tile(x, (a.topk, 1))  # dense: the same rows x K through one expert's weights
-    dense = lambda x, wg, wd: (jax.nn.silu(x @ wg[0]) * (x @ wg[0])) @ wd[0]  # noqa: E731
-    report("dense", timed(dense, xd, wg, wd),
-           timed(jax.grad(lambda *t: dense(*t).astype(jnp.float32).sum(), (0, 1, 2)), xd, wg, wd))
+    # dense: the same rows x K through one expert's weights (distinct gate and up weights, or
+    # XLA would merge the two identical matmuls and the reference would do 2/3 of the work)
+    xd = jnp.tile(x, (a.topk, 1))
+    dense = lambda x, wg, wu, wd: (jax.nn.silu(x @ wg[0]) * (x @ wu[0])) @ wd[0]  # noqa: E731
+    # backward with a random cotangent: with sum()'s all-ones one XLA turns matmuls into sums
+    ct = jax.random.normal(keys[4], (a.tokens * a.topk, a.dim), jnp.float32)
+    ct_tokens = ct[:a.tokens]
+    report("dense", timed(dense, xd, wg, wu, wd),
+           timed(jax.grad(lambda *t: jnp.sum(dense(*t).astype(jnp.float32) * ct), (0, 1, 2, 3)),
+                 xd, wg, wu, wd))
     for impl in ("ragged_dot", "blocked"):
-        f = lambda x, wg, wd, impl=impl: dropless_local(x, idx, weights, wg, wg, wd, 0,  # noqa
-                                                        grouped_matmul=impl)
-        report(impl, timed(f, x, wg, wd),
-               timed(jax.grad(lambda *t, f=f: f(*t).sum(), (0, 1, 2)), x, wg, wd))
+        f = lambda x, wg, wu, wd, impl=impl: dropless_local(x, idx, weights, wg, wu, wd, 0,  # noqa
+                                                            grouped_matmul=impl)
+        report(impl, timed(f, x, wg, wu, wd),
+               timed(jax.grad(lambda *t, f=f: jnp.sum(f(*t) * ct_tokens), (0, 1, 2, 3)),
+                     x, wg, wu, wd))
     for name, r in results.items():
         print(f"{name:10s} forward {r['forward_tflops']:.3f} TFLOP/s, forward+backward "
               f"{r['train_tflops']:.3f} TFLOP/s ({r['train_tflops'] / results['dense']['train_tflops']:.2f}x dense)")
