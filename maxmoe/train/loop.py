@@ -307,7 +307,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
             timing.probe()
             if pending is not None:
                 # step done-1, one step late: the device runs step `done` meanwhile. A bad
-                # update was already kept out of `state` by the step itself (guards.select).
+                # update was already kept out of `state` by the step itself (its lax.cond).
                 host, restored = settle(*pending)
                 pending = None
                 if restored is not None:  # step `done`, still running, is dropped
