@@ -30,7 +30,8 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
 """
     assert collective_instructions(hlo) == {"psum.2", "ag"}
     names = op_names(hlo)
-    assert names == {"exp.1": "jit(f)/jvp()/while/body/closed_call/attention/exp",
+    assert names == {"a": "", "p": "", "dot.3": "", "psum.2": "", "ag": "",
+                     "exp.1": "jit(f)/jvp()/while/body/closed_call/attention/exp",
                      "fusion.7": "jit(f)/transpose(jvp(lm_head))/dot_general"}
     assert "fusion.7" in matmul_instructions(hlo) and "exp.1" not in matmul_instructions(hlo)
     assert categorize(names["exp.1"]) == "attention: core"

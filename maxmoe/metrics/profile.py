@@ -40,17 +40,20 @@ PARTS = [(part, re.compile(r".*".join(_S.format(n) for n in path.split("/")))) f
     ("embedding", "embed"),
     ("layer scan (slice/stack per layer)", "while/body"),
 ]]
-OTHER = "other (grad norm, guards, metrics)"
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+OTHER = "other (grad norm, guards, zero fills)"
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_OP_NAME = re.compile(r"metadata=\{[^}]*op_name=\"([^\"]*)\"")
 
 
 def op_names(hlo_text: str) -> dict[str, str]:
-    """Instruction name -> op_name path (its jax name stack) from compiled HLO text."""
+    """Instruction name -> op_name path (its jax name stack; "" when XLA made the op up, e.g.
+    a zero fill it hoisted) from compiled HLO text."""
     out = {}
     for line in hlo_text.splitlines():
         m = _INSTRUCTION.match(line)
         if m:
-            out[m.group(1)] = m.group(2)
+            op = _OP_NAME.search(line)
+            out[m.group(1)] = op.group(1) if op else ""
     return out
 
 
