@@ -123,7 +123,7 @@ def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int, profile_dir: str = ""
 PROFILE_STEPS = 3
 
 
-def profile_steps(compiled, state, batch, directory: str) -> list[dict]:
+def profile_steps(compiled, state, batch, directory: str) -> dict[str, list[dict]]:
     """Traces PROFILE_STEPS steps into `directory`; returns metrics.profile.breakdown rows."""
     import jax
 

@@ -51,7 +51,7 @@ def test_bench_figures_and_profile_breakdown(tmp_path):
     assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
     assert r["peak_bytes"] > 0
     json.dumps(r)  # the last line bench prints
-    parts = {row["part"]: row for row in r["profile"] if "op_name" not in row}
+    parts = {row["part"]: row for row in r["profile"]["parts"]}
     # every named part of the model ran and was seen, forward and backward
     # data-parallel over the 8 test devices: the gradient all-reduces are collectives
     for part in (COLLECTIVES, "attention: core", "attention: projections", "moe: grouped matmul",

@@ -83,7 +83,7 @@ def matmul_instructions(hlo_text: str) -> set[str]:
         call = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*\bfusion\(.*calls=%?([\w.\-]+)", line)
         if call:
             fusion_calls[call.group(1)] = call.group(2)
-    return {n for n in with_dot} | {f for f, c in fusion_calls.items() if c in with_dot}
+    return with_dot | {f for f, c in fusion_calls.items() if c in with_dot}
 
 
 def categorize(op_name: str, collective: bool = False) -> str:
@@ -117,17 +117,16 @@ def instruction_times(trace_dir: Path, names: dict[str, str], module: str = "") 
                 if module and stats.get("hlo_module", module) != module:
                     continue
                 name = stats.get("hlo_op", e.name)
-                if name in names or _is_control(name):
+                if name in names:  # every instruction, loops and calls included
                     spans.append((e.start_ns, e.start_ns + e.duration_ns, name))
             for name, ns in _exclusive(sorted(spans, key=lambda s: (s[0], -s[1]))).items():
-                if name in names:
-                    out[name] += ns
+                out[name] += ns
     return out
 
 
-def breakdown(trace_dir: Path, hlo_text: str, steps: int) -> list[dict]:
-    """Rows {part, forward_ms, backward_ms, matmul_ms, total_ms, share} per step, largest first;
-    then up to TOP rows {part: "op <instruction>", op_name, total_ms, share} of the costliest ops."""
+def breakdown(trace_dir: Path, hlo_text: str, steps: int) -> dict[str, list[dict]]:
+    """{"parts": rows {part, forward_ms, backward_ms, matmul_ms, total_ms, share} per step,
+    largest first; "ops": up to TOP rows {op, op_name, total_ms, share} of the costliest ops}."""
     names, matmuls = op_names(hlo_text), matmul_instructions(hlo_text)
     collectives = collective_instructions(hlo_text)
     module = re.match(r"\s*HloModule ([\w.\-]+)", hlo_text)
@@ -144,34 +143,29 @@ def breakdown(trace_dir: Path, hlo_text: str, steps: int) -> list[dict]:
             "matmul_ms": r["matmul_ms"], "total_ms": r["forward_ms"] + r["backward_ms"],
             "share": (r["forward_ms"] + r["backward_ms"]) / total} for part, r in rows.items()]
     top = sorted(times.items(), key=lambda kv: -kv[1])[:TOP]
-    return sorted(out, key=lambda r: -r["total_ms"]) + [
-        {"part": f"op {name}", "op_name": names[name], "total_ms": ns / 1e6 / steps,
-         "share": ns / 1e6 / steps / total} for name, ns in top]
+    return {"parts": sorted(out, key=lambda r: -r["total_ms"]),
+            "ops": [{"op": name, "op_name": names[name], "total_ms": ns / 1e6 / steps,
+                     "share": ns / 1e6 / steps / total} for name, ns in top]}
 
 
 TOP = 12
 
 
-def _is_control(name: str) -> bool:
-    return name.split(".")[0] in ("while", "conditional", "call")
-
-
 def _exclusive(spans) -> dict[str, float]:
     out: dict[str, float] = collections.defaultdict(float)
-    stack: list[list] = []  # [end, name, start]
+    stack: list[tuple] = []  # (end, name) of the enclosing events
     for start, end, name in spans:
         while stack and stack[-1][0] <= start:
             stack.pop()
         if stack:  # a child: its time is not its parent's
             out[stack[-1][1]] -= end - start
-        stack.append([end, name, start])
+        stack.append((end, name))
         out[name] += end - start
     return out
 
 
-def table(rows: list[dict]) -> str:
-    ops = [r for r in rows if "op_name" in r]
-    rows = [r for r in rows if "op_name" not in r]
+def table(profile: dict[str, list[dict]]) -> str:
+    rows, ops = profile["parts"], profile["ops"]
     lines = [f"{'part':<38} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'share':>6} {'matmul':>7}"]
     for r in rows:
         lines.append(f"{r['part']:<38} {r['forward_ms']:>8.1f} {r['backward_ms']:>8.1f} "
@@ -180,8 +174,8 @@ def table(rows: list[dict]) -> str:
     mm = sum(r["matmul_ms"] for r in rows)
     lines.append(f"{'all (thread time; CPU threads overlap)':<38} {'':>8} {'':>8} {total:>8.1f} "
                  f"{'':>6} {mm:>7.1f}")
-    lines.append(f"costliest ops:")
+    lines.append("costliest ops:")
     for r in ops:
-        lines.append(f"  {r['total_ms']:7.1f} ms {100 * r['share']:5.1f}%  {r['part'][3:]:<34} "
+        lines.append(f"  {r['total_ms']:7.1f} ms {100 * r['share']:5.1f}%  {r['op']:<34} "
                      f"{r['op_name'][-80:]}")
     return "\n".join(lines)
