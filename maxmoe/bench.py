@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -136,7 +137,9 @@ def profile_steps(compiled, state, batch, directory: str) -> dict[str, list[dict
         jax.block_until_ready(metrics)
     finally:
         jax.profiler.stop_trace()
-    return breakdown(directory, compiled.as_text(), PROFILE_STEPS)
+    hlo = compiled.as_text()
+    (Path(directory) / "train_step.hlo.txt").write_text(hlo)  # op names for reading the trace
+    return breakdown(directory, hlo, PROFILE_STEPS)
 
 
 def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:

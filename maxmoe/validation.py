@@ -65,6 +65,8 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
         need(getattr(getattr(cfg, section), name) >= 1, key, "must be >= 1", "use a positive value")
     need(0 <= m.num_dense_layers <= m.num_layers, "model.num_dense_layers",
          f"must be between 0 and model.num_layers ({m.num_layers})", "lower it")
+    need(a.causal_block_size >= 0, "attention.causal_block_size", "must be >= 0",
+         "use 0 (one block) or a number of query rows such as 256")
     need(m.remat_policy in REMAT_POLICY_NAMES, "model.remat_policy", "unknown policy",
          f"use one of: {', '.join(REMAT_POLICY_NAMES)}")
     need(a.num_heads % a.num_kv_heads == 0, "attention.num_kv_heads",

@@ -14,11 +14,12 @@ from maxmoe.model.rope import apply_rope
 from maxmoe.sharding import shard
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, S] segment ids -> [B, 1, 1, S, S] bool: causal and never across documents."""
-    s = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]
+def attention_mask(segment_ids: jax.Array, lo: int = 0, hi: int | None = None) -> jax.Array:
+    """[B, S] segment ids -> [B, 1, 1, hi - lo, hi] bool for queries lo:hi against keys :hi
+    (default all S): causal and never across documents."""
+    hi = segment_ids.shape[1] if hi is None else hi
+    causal = jnp.arange(lo, hi)[:, None] >= jnp.arange(hi)[None, :]
+    same_doc = segment_ids[:, lo:hi, None] == segment_ids[:, None, :hi]
     return (causal[None] & same_doc)[:, None, None]
 
 
@@ -43,21 +44,31 @@ softmax.defvjp(_softmax_fwd, _softmax_bwd)
 MASKED = -1e30  # float32 score of a masked pair: exp underflows to exactly 0
 
 
-def masked_softmax_attention(scores: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                             dtype) -> jax.Array:
-    """scores [B, K, G, S, T] float32 (already scaled), v [B, T, K, Dv] -> [B, S, K*G, Dv].
+def causal_attention(scores, v: jax.Array, segment_ids: jax.Array, dtype,
+                     block_size: int = 0) -> jax.Array:
+    """Causal softmax attention that never crosses documents, in blocks of `block_size` queries
+    (0: one block).
 
-    Query head h = k*G + g uses kv head k (Hugging Face's repeat_kv order).
+    scores(lo, hi) -> float32 scaled scores [B, K, G, hi - lo, hi] of queries lo:hi against
+    keys :hi; v [B, K, T, Dv]. Returns [B, K*G, S, Dv]; query head h = k*G + g uses kv head k
+    (Hugging Face's repeat_kv order). A query block meets only the keys up to its own end, so
+    the blocks above the diagonal are never computed: n blocks skip (n - 1) / 2n of the scores
+    (issue 8, CPU, sequence 1024: 1.39x faster train step with 4 blocks than with one).
     """
-    # an additive bias, not a select: the backward of `where` keeps a mask-sized residual per
-    # layer (XLA materialised [L, B, K, G, S, T] zeros for it); the gradient of `+` is free.
-    # Every row keeps its diagonal, so no row is all-masked.
-    bias = jnp.where(attention_mask(segment_ids), 0.0, MASKED)
-    scores = scores + bias
-    probs = softmax(scores).astype(dtype)  # softmax in float32
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    b, s, k, g, dv = out.shape
-    return out.reshape(b, s, k * g, dv)
+    s = segment_ids.shape[1]
+    size = block_size if 0 < block_size < s else s
+    outs = []
+    for lo in range(0, s, size):
+        hi = min(lo + size, s)
+        # an additive bias, not a select: the backward of `where` keeps a mask-sized residual
+        # per layer (XLA materialised [L, B, K, G, S, T] zeros for it); the gradient of `+` is
+        # free. Every row keeps its diagonal, so no row is all-masked.
+        bias = jnp.where(attention_mask(segment_ids, lo, hi), 0.0, MASKED)
+        probs = softmax(scores(lo, hi) + bias).astype(dtype)  # softmax in float32
+        outs.append(jnp.einsum("bkgst,bktd->bkgsd", probs, v[:, :, :hi]))
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    b, k, g, _, dv = out.shape
+    return out.reshape(b, k * g, s, dv)
 
 
 def fused_attention(q, k, v, segment_ids):
@@ -99,14 +110,20 @@ class Attention(nnx.Module):
         q, k, v = (checkpoint_name(t, "qkv_proj") for t in (q, k, v))
         b, s, _, hd = q.shape
         if cfg.implementation == "fused":
-            out = fused_attention(q, k, v, segment_ids)
+            out = shard(fused_attention(q, k, v, segment_ids), heads)
+            out = jnp.einsum("bshk,hkd->bsd", out, c(self.o))
         else:
             groups = cfg.num_heads // cfg.num_kv_heads
-            q = q.reshape(b, s, cfg.num_kv_heads, groups, hd)  # query head h uses kv head h // G
-            scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-            out = masked_softmax_attention(scores * (hd ** -0.5), v, segment_ids, self.dtype)
-        out = shard(out, heads)
-        out = shard(jnp.einsum("bshk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+            # query head h uses kv head h // G; the scale folded into q (4x smaller than scores)
+            q = (q * hd ** -0.5).reshape(b, s, cfg.num_kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)
+            k = k.transpose(0, 2, 1, 3)
+            out = causal_attention(
+                lambda lo, hi: jnp.einsum("bkgsd,bktd->bkgst", q[:, :, :, lo:hi], k[:, :, :hi],
+                                          preferred_element_type=jnp.float32),
+                v.transpose(0, 2, 1, 3), segment_ids, self.dtype, cfg.causal_block_size)
+            out = shard(out, ("batch", "act_heads", "seq", None))
+            out = jnp.einsum("bhsk,hkd->bsd", out, c(self.o))
+        out = shard(out, ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")
 
 

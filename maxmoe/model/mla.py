@@ -9,13 +9,15 @@ with a decoupled RoPE key of R dims shared by all heads.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
-from maxmoe.model.attention import masked_softmax_attention
+from maxmoe.model.attention import causal_attention
 from maxmoe.model.layers import RMSNorm, param
 from maxmoe.model.rope import apply_rope, yarn_mscale
 from maxmoe.sharding import shard
@@ -71,11 +73,16 @@ class LatentAttention(nnx.Module):
         # named for the save_named / offload_named remat policies (transformer.py)
         q_nope, q_pe, k_nope, k_pe, v = (checkpoint_name(t, "qkv_proj")
                                          for t in (q_nope, q_pe, k_nope, k_pe, v))
-        # the RoPE key is one head shared by all query heads: no need to broadcast it
-        scores = (jnp.einsum("bshk,bthk->bhst", q_nope, k_nope, preferred_element_type=jnp.float32)
-                  + jnp.einsum("bshr,btr->bhst", q_pe, k_pe, preferred_element_type=jnp.float32))
-        out = masked_softmax_attention(scores[:, :, None] * softmax_scale(cfg), v, segment_ids,
-                                       self.dtype)
-        out = shard(out, heads)
-        out = shard(jnp.einsum("bshk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+        scale = softmax_scale(cfg)
+
+        def scores(lo, hi):  # the RoPE key is one head shared by all query heads: not broadcast
+            dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+            s = (dot("bshk,bthk->bhst", q_nope[:, lo:hi], k_nope[:, :hi])
+                 + dot("bshr,btr->bhst", q_pe[:, lo:hi], k_pe[:, :hi]))
+            return s[:, :, None] * scale
+
+        out = shard(causal_attention(scores, v.transpose(0, 2, 1, 3), segment_ids, self.dtype,
+                                     cfg.causal_block_size),
+                    ("batch", "act_heads", "seq", None))
+        out = shard(jnp.einsum("bhsk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")

@@ -184,8 +184,7 @@ class Transformer(nnx.Module):
         """x [B, S, D] -> logits [B, S, V] float32 (final norm, then the LM head)."""
         with jax.named_scope("lm_head"):
             x = (norm or self.final_norm)(x)
-            logits = jnp.einsum("bsd,dv->bsv", x, self.lm_head[...].astype(self.dtype),
-                                preferred_element_type=jnp.float32)
+            logits = lm_head_matmul(x, self.lm_head[...].astype(self.dtype))
             return shard(logits, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens, segment_ids, positions):
@@ -250,6 +249,32 @@ class Transformer(nnx.Module):
             load = expert_load[row:row + n].reshape(mlp.bias[...].shape)
             mlp.bias[...] = updated_bias(mlp.bias[...], load, speed)
             row += n
+
+
+@jax.custom_vjp
+def lm_head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [B, S, D] @ w [D, V] -> logits [B, S, V] float32.
+
+    The backward computes the weight gradient as x^T (materialised) @ dlogits, a plain
+    row-major matmul: left to autodiff, XLA:CPU transposed the [B*S, V] logit gradient and ran
+    a transposed-operand dot at a third of the matmul peak (issue 8 reference shape)."""
+    return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+
+
+def _lm_head_fwd(x, w):
+    return lm_head_matmul(x, w), (x, w)
+
+
+def _lm_head_bwd(res, g):
+    x, w = res
+    dx = jnp.einsum("bsv,dv->bsd", g.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [D, B*S], kept as is
+    dw = jnp.dot(xt, g.reshape(-1, g.shape[-1]).astype(x.dtype),
+                 preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
 
 
 @jax.named_scope("loss")

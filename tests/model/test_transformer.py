@@ -108,6 +108,47 @@ def test_fused_attention_equals_einsum():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+MLA = ["attention.kind=mla", "attention.kv_lora_rank=16", "attention.qk_nope_head_dim=8",
+       "attention.qk_rope_head_dim=8", "attention.v_head_dim=8"]
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_causal_query_blocks_equal_one_block(kind):
+    """Reference: the same model with one query block (causal_block_size=0); blocks of 12 rows
+    over 32 positions (12 + 12 + 8, so the last is short) must give the same loss and grads.
+    float32, rtol 1e-5: only the key range each softmax row spans differs (masked keys add
+    exactly 0)."""
+    extra = MLA if kind == "mla" else []
+    cfg, _ = small_config("model.remat_policy=none", "attention.causal_block_size=0", *extra)
+    blocked, _ = small_config("model.remat_policy=none", "attention.causal_block_size=12", *extra)
+    batch = random_batch(cfg)
+    ref_loss, ref = _grads(cfg, batch)
+    loss, got = _grads(blocked, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lm_head_matmul_gradients_equal_autodiff(dtype):
+    """lm_head_matmul's custom backward against autodiff of the same einsum (float32 logits);
+    tolerance rtol 1e-5 in float32, 1e-2 in bfloat16 (one bf16 rounding of each gradient)."""
+    from maxmoe.model.transformer import lm_head_matmul
+
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8)).astype(dtype)
+    w = jax.random.normal(jax.random.key(1), (8, 11)).astype(dtype)
+    g = jax.random.normal(jax.random.key(2), (2, 5, 11))
+    ref_fn = lambda x, w: jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+    ours, ours_vjp = jax.vjp(lm_head_matmul, x, w)
+    ref, ref_vjp = jax.vjp(ref_fn, x, w)
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(ours, ref, rtol=1e-6)
+    for a, b in zip(ours_vjp(g), ref_vjp(g)):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=tol, atol=tol)
+
+
 def test_softmax_backward_equals_jax_nn_softmax():
     """attention.softmax keeps only its output for the backward; gradients equal
     jax.nn.softmax's (float32, rtol 1e-6), masked (-1e30) entries included."""
