@@ -110,8 +110,9 @@ def test_probability_policy_keeps_the_highest_weights():
 
 
 def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
-    """block_expert_mlp's custom VJP: blocks past `used` are zero and get no gradient; weight
-    gradients sum over every block of an expert. Reference: float64 NumPy (SwiGLU written
+    """block_expert_mlp's custom VJP: blocks past the last bound are zero and get no gradient,
+    an expert without blocks gets a zero gradient; weight gradients sum over every block of an
+    expert. Reference: float64 NumPy (SwiGLU written
     out, its derivative by hand and by central differences of the reference); float32
     tolerance rtol 1e-4, atol 1e-5."""
     from maxmoe.parallel.experts import block_expert_mlp
@@ -122,8 +123,9 @@ def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
     wgu = rng.normal(size=(e_count, d, 2 * f)).astype(np.float32)
     wd = rng.normal(size=(e_count, f, d)).astype(np.float32)
     g = rng.normal(size=(n, bs, d)).astype(np.float32)
-    block_expert = jnp.array([0, 0, 2, 1, 1], jnp.int32)
-    out, vjp = jax.vjp(lambda a, b, c: block_expert_mlp(a, b, c, block_expert, used), xb, wgu, wd)
+    bounds = jnp.array([0, 2, 2, used], jnp.int32)  # expert 0: blocks 0-1, 1: none, 2: 2-3
+    block_expert = [0, 0, 2, 2]
+    out, vjp = jax.vjp(lambda a, b, c: block_expert_mlp(a, b, c, bounds), xb, wgu, wd)
     dx, dwgu, dwd = vjp(g)
 
     def reference(x, wgu, wd):  # float64; loss = sum(out * g)
