@@ -115,7 +115,8 @@ class Attention(nnx.Module):
         else:
             groups = cfg.num_heads // cfg.num_kv_heads
             # query head h uses kv head h // G; the scale folded into q (4x smaller than scores)
-            q = (q * hd ** -0.5).reshape(b, s, cfg.num_kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)
+            q = (q * hd ** -0.5).reshape(b, s, cfg.num_kv_heads, groups, hd)
+            q = q.transpose(0, 2, 3, 1, 4)  # [B, K, G, S, Dh]
             k = k.transpose(0, 2, 1, 3)
             out = causal_attention(
                 lambda lo, hi: jnp.einsum("bkgsd,bktd->bkgst", q[:, :, :, lo:hi], k[:, :, :hi],
