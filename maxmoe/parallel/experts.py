@@ -44,8 +44,8 @@ def block_expert_mlp(xb, w_gate_up, w_down, bounds):
     forward+backward at 0.51x a dense matmul of the same FLOPs with huge pages, 0.44x without
     (tools/bench_grouped_matmul.py --tokens 2048); a batched matmul over per-block gathered
     weights took 1.6x the CPU time of the loop, ragged_dot runs at 0.08x dense there. Slicing
-    weights per expert rather than per block made the train step 1.04x faster (370 -> 356 ms). The backward (custom VJP) keeps only the
-    gate/up pre-activations of the blocks in use.
+    weights per expert rather than per block made the train step 1.04x faster (370 -> 356
+    ms). The backward (custom VJP) keeps only the gate/up pre-activations of the blocks in use.
     """
     return _block_expert_mlp_fwd(xb, w_gate_up, w_down, bounds)[0]
 
