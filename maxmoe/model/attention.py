@@ -53,7 +53,7 @@ def causal_attention(scores, v: jax.Array, segment_ids: jax.Array, dtype,
     keys :hi; v [B, K, T, Dv]. Returns [B, K*G, S, Dv]; query head h = k*G + g uses kv head k
     (Hugging Face's repeat_kv order). A query block meets only the keys up to its own end, so
     the blocks above the diagonal are never computed: n blocks skip (n - 1) / 2n of the scores
-    (issue 8, CPU, sequence 1024: 1.39x faster train step with 4 blocks than with one).
+    (issue 8, CPU, sequence 1024: train step 568 -> 463 ms with 4 blocks instead of one).
     """
     s = segment_ids.shape[1]
     size = block_size if 0 < block_size < s else s
