@@ -112,35 +112,34 @@ def test_probability_policy_keeps_the_highest_weights():
 def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
     """block_expert_mlp's custom VJP: blocks past the last bound are zero and get no gradient,
     an expert without blocks gets a zero gradient; weight gradients sum over every block of an
-    expert. Reference: float64 NumPy (SwiGLU written
-    out, its derivative by hand and by central differences of the reference); float32
-    tolerance rtol 1e-4, atol 1e-5."""
+    expert. Reference: float64 NumPy (SwiGLU written out, its derivative by central
+    differences of the reference); float32 tolerance rtol 1e-4, atol 1e-5."""
     from maxmoe.parallel.experts import block_expert_mlp
 
     rng = np.random.default_rng(0)
     n, bs, d, f, e_count, used = 5, 4, 3, 2, 3, 4
     xb = rng.normal(size=(n, bs, d)).astype(np.float32)
-    wgu = rng.normal(size=(e_count, d, 2 * f)).astype(np.float32)
+    wg = rng.normal(size=(e_count, d, f)).astype(np.float32)
+    wu = rng.normal(size=(e_count, d, f)).astype(np.float32)
     wd = rng.normal(size=(e_count, f, d)).astype(np.float32)
     g = rng.normal(size=(n, bs, d)).astype(np.float32)
     bounds = jnp.array([0, 2, 2, used], jnp.int32)  # expert 0: blocks 0-1, 1: none, 2: 2-3
     block_expert = [0, 0, 2, 2]
-    out, vjp = jax.vjp(lambda a, b, c: block_expert_mlp(a, b, c, bounds), xb, wgu, wd)
-    dx, dwgu, dwd = vjp(g)
+    out, vjp = jax.vjp(lambda *w: block_expert_mlp(*w, bounds), xb, wg, wu, wd)
+    grads = vjp(g)
 
-    def reference(x, wgu, wd):  # float64; loss = sum(out * g)
+    def reference(x, wg, wu, wd):  # float64; loss = sum(out * g)
         out = np.zeros((n, bs, d))
         for i in range(used):
             e = int(block_expert[i])
-            gu = x[i] @ wgu[e]
-            gate, up = gu[:, :f], gu[:, f:]
+            gate, up = x[i] @ wg[e], x[i] @ wu[e]
             out[i] = (gate / (1 + np.exp(-gate)) * up) @ wd[e]
         return out
 
-    args = [a.astype(np.float64) for a in (xb, wgu, wd)]
+    args = [a.astype(np.float64) for a in (xb, wg, wu, wd)]
     np.testing.assert_allclose(out, reference(*args), rtol=1e-4, atol=1e-5)
     g64, eps = g.astype(np.float64), 1e-6
-    for k, got in enumerate((dx, dwgu, dwd)):
+    for k, got in enumerate(grads):
         want = np.zeros_like(args[k])
         for idx in np.ndindex(*args[k].shape):  # central differences of the float64 reference
             hi, lo = [a.copy() for a in args], [a.copy() for a in args]
@@ -148,4 +147,4 @@ def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
             lo[k][idx] -= eps
             want[idx] = np.sum((reference(*hi) - reference(*lo)) * g64) / (2 * eps)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert not np.any(np.asarray(out)[used:]) and not np.any(np.asarray(dx)[used:])
+    assert not np.any(np.asarray(out)[used:]) and not np.any(np.asarray(grads[0])[used:])
