@@ -55,7 +55,7 @@ class AttentionConfig:
     head_dim: int = 32  # gqa only; mla head sizes are the qk_*/v_head_dim fields
     rope_theta: float = 10000.0
     kind: str = "gqa"  # gqa (Mixtral, Qwen3) | mla (DeepSeek multi-head latent attention)
-    causal_block_size: int = 256  # einsum: queries per block, blocks above the diagonal skipped; 0 = one
+    causal_block_size: int = 128  # einsum: queries per block, blocks above the diagonal skipped; 0 = one
     implementation: str = "einsum"  # gqa: einsum (XLA) | fused (jax.nn.dot_product_attention: cuDNN flash on GPU)
     qk_norm: bool = False  # gqa: RMSNorm over head_dim of every q and k head before RoPE (Qwen3)
     q_lora_rank: int = 0  # mla: rank of the low-rank query path; 0 = one full-rank q projection

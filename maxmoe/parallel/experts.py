@@ -30,79 +30,90 @@ from maxmoe.sharding import current_mesh, mesh_axes
 
 
 @jax.custom_vjp
-def block_expert_mlp(xb, w_gate, w_up, w_down, bounds):
-    """SwiGLU expert MLP over row blocks grouped by expert: blocks bounds[e]:bounds[e+1] belong
-    to expert e, out[i] = (silu(xb[i] @ Wg[e]) * (xb[i] @ Wu[e])) @ Wd[e]; blocks from
-    bounds[-1] on are zero. xb [N, bs, D]; w_gate, w_up [E, D, F]; w_down [E, F, D];
-    bounds [E + 1] int, non-decreasing, bounds[0] = 0.
+def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
+    """Dispatch, SwiGLU expert MLP and weighted combine over row blocks grouped by expert:
+    y[t] = sum over slots j with token[j] = t of row_weight[j] * expert_e(x[t]) for every
+    slot of blocks bounds[e]:bounds[e+1] (expert e), expert_e(v) = (silu(v @ Wg[e]) *
+    (v @ Wu[e])) @ Wd[e]. Blocks from bounds[-1] on are never visited.
+    x [T, D]; token [N, bs] int (an empty slot: any token with row_weight 0); row_weight
+    [N, bs] float32; w_gate, w_up [E, D, F]; w_down [E, F, D]; bounds [E + 1] int,
+    non-decreasing, bounds[0] = 0. Returns y [T, D] float32 (the K contributions per token
+    summed in float32).
 
     A loop over experts around a loop over that expert's blocks (dynamic trip counts), every
-    step 2-D matmuls: each expert's weights are sliced once, gate | up joined into one matmul
-    (per block they were copied every time), and its weight gradients summed in the loop
-    carry. The weights are taken apart, not pre-joined, so the backward's residuals are the
-    params themselves rather than a per-layer copy stacked by the layer scan. The padding
-    blocks (all N when experts are sharded and tokens gathered) cost nothing. On XLA:CPU, at
-    the reference shape of issue 8, the whole dropless path (sort, gather, this, scatter) runs
-    forward+backward at 0.51x a dense matmul of the same FLOPs with huge pages, 0.44x without
-    (tools/bench_grouped_matmul.py --tokens 2048); a batched matmul over per-block gathered
-    weights took 1.6x the CPU time of the loop, ragged_dot runs at 0.08x dense there. Slicing
-    weights per expert rather than per block made the train step 1.04x faster (370 -> 356
-    ms). The backward (custom VJP) keeps only the gate/up pre-activations of the blocks in use.
+    step a gather of the block's token rows, 2-D matmuls and a scatter-add of its weighted
+    output rows: each expert's weights are sliced once and gate | up joined into one matmul,
+    its weight gradients summed in the loop carry. Gathering, weighting and scattering inside
+    the loop (rather than before and after it) means no [N * bs, D] copy of the inputs or the
+    outputs is made, so the layer scan stacks neither for the backward: its only residual is
+    the gate/up pre-activations of the blocks in use (the router weight's gradient is
+    rowsum(dL/d(weighted h) * h), from those). The weights are taken apart, not pre-joined, so
+    the other residuals are the params themselves. On XLA:CPU, a batched matmul over per-block
+    gathered weights took 1.6x the CPU time of this loop and ragged_dot runs at 0.08x a dense
+    matmul (tools/bench_grouped_matmul.py).
     """
-    return _block_expert_mlp_fwd(xb, w_gate, w_up, w_down, bounds)[0]
+    return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds)[0]
 
 
-def _block_expert_mlp_fwd(xb, w_gate, w_up, w_down, bounds):
-    xb, w_gate, w_up, w_down, bounds = (jnp.asarray(a) for a in (xb, w_gate, w_up, w_down, bounds))
+def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
+    x, token, row_weight, w_gate, w_up, w_down, bounds = (
+        jnp.asarray(a) for a in (x, token, row_weight, w_gate, w_up, w_down, bounds))
     f = w_down.shape[1]
 
     def expert(e, carry):
         wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
 
         def block(i, carry):
-            out, gate_up = carry
-            gu = xb[i] @ wgu
+            y, gate_up = carry
+            gu = x[token[i]] @ wgu
             h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
-            return (jax.lax.dynamic_update_index_in_dim(out, h @ wd, i, 0),
-                    jax.lax.dynamic_update_index_in_dim(gate_up, gu, i, 0))
+            hw = (h * row_weight[i][:, None]).astype(x.dtype)
+            y = y.at[token[i]].add(jnp.dot(hw, wd, preferred_element_type=jnp.float32))
+            return y, jax.lax.dynamic_update_index_in_dim(gate_up, gu, i, 0)
         return jax.lax.fori_loop(bounds[e], bounds[e + 1], block, carry)
-    out, gate_up = jax.lax.fori_loop(0, w_down.shape[0], expert, (
-        jnp.zeros((*xb.shape[:2], w_down.shape[2]), xb.dtype),
-        jnp.zeros((*xb.shape[:2], 2 * f), xb.dtype)))
-    return out, (xb, w_gate, w_up, w_down, bounds, gate_up)
+    y, gate_up = jax.lax.fori_loop(0, w_down.shape[0], expert, (
+        jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32),
+        jnp.zeros((*token.shape, 2 * f), x.dtype)))
+    return y, (x, token, row_weight, w_gate, w_up, w_down, bounds, gate_up)
 
 
-def _block_expert_mlp_bwd(res, g):
-    xb, w_gate, w_up, w_down, bounds, gate_up = res
-    g = jnp.asarray(g)
+def _block_expert_mlp_bwd(res, gy):
+    x, token, row_weight, w_gate, w_up, w_down, bounds, gate_up = res
+    gy = jnp.asarray(gy)
     f = w_down.shape[1]
 
     def expert(e, carry):
-        dx, dwg, dwu, dwd = carry
+        dx, drw, dwg, dwu, dwd = carry
         wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
 
         def block(i, carry):
-            dx, gwgu, gwd = carry
+            dx, drw, gwgu, gwd = carry
+            tok, w = token[i], row_weight[i][:, None].astype(jnp.float32)
+            g = gy[tok].astype(x.dtype)
             gu = gate_up[i].astype(jnp.float32)
             gate, up = gu[:, :f], gu[:, f:]
             sig = jax.nn.sigmoid(gate)
             act = gate * sig  # silu
-            h = (act * up).astype(xb.dtype)
-            dh = (g[i] @ wd.T).astype(jnp.float32)
+            h = act * up
+            dhw = jnp.dot(g, wd.T, preferred_element_type=jnp.float32)  # d(weighted h)
+            drw = jax.lax.dynamic_update_index_in_dim(drw, jnp.sum(dhw * h, axis=1), i, 0)
+            dh = dhw * w
             dgate = dh * up * (sig * (1 + gate * (1 - sig)))  # d silu = sig (1 + x (1 - sig))
-            dgu = jnp.concatenate([dgate, dh * act], axis=1).astype(xb.dtype)
-            dx = jax.lax.dynamic_update_index_in_dim(dx, dgu @ wgu.T, i, 0)
+            dgu = jnp.concatenate([dgate, dh * act], axis=1).astype(x.dtype)
+            dx = dx.at[tok].add(jnp.dot(dgu, wgu.T, preferred_element_type=jnp.float32))
             # weight gradients sum over many blocks: accumulate in float32 whatever the dtype
-            return (dx, gwgu + jnp.dot(xb[i].T, dgu, preferred_element_type=jnp.float32),
-                    gwd + jnp.dot(h.T, g[i], preferred_element_type=jnp.float32))
-        dx, gwgu, gwd = jax.lax.fori_loop(bounds[e], bounds[e + 1], block, (
-            dx, jnp.zeros(wgu.shape, jnp.float32), jnp.zeros(wd.shape, jnp.float32)))
+            hw = (h * w).astype(x.dtype)
+            return (dx, drw, gwgu + jnp.dot(x[tok].T, dgu, preferred_element_type=jnp.float32),
+                    gwd + jnp.dot(hw.T, g, preferred_element_type=jnp.float32))
+        dx, drw, gwgu, gwd = jax.lax.fori_loop(bounds[e], bounds[e + 1], block, (
+            dx, drw, jnp.zeros(wgu.shape, jnp.float32), jnp.zeros(wd.shape, jnp.float32)))
         put = lambda acc, grad: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
             acc, grad.astype(acc.dtype), e, 0)
-        return dx, put(dwg, gwgu[:, :f]), put(dwu, gwgu[:, f:]), put(dwd, gwd)
-    dx, dwg, dwu, dwd = jax.lax.fori_loop(0, w_down.shape[0], expert, (
-        jnp.zeros_like(xb), jnp.zeros_like(w_gate), jnp.zeros_like(w_up), jnp.zeros_like(w_down)))
-    return dx, dwg, dwu, dwd, None
+        return dx, drw, put(dwg, gwgu[:, :f]), put(dwu, gwgu[:, f:]), put(dwd, gwd)
+    dx, drw, dwg, dwu, dwd = jax.lax.fori_loop(0, w_down.shape[0], expert, (
+        jnp.zeros(x.shape, jnp.float32), jnp.zeros(row_weight.shape, jnp.float32),
+        jnp.zeros_like(w_gate), jnp.zeros_like(w_up), jnp.zeros_like(w_down)))
+    return (dx.astype(x.dtype), None, drw.astype(row_weight.dtype), dwg, dwu, dwd, None)
 
 
 block_expert_mlp.defvjp(_block_expert_mlp_fwd, _block_expert_mlp_bwd)
@@ -152,16 +163,13 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         slot = jnp.where(sorted_key < num_local, padded_end[e] - padded[e] + rank, -1)
         assignment = jnp.full((rows,), n, jnp.int32).at[jnp.where(slot >= 0, slot, rows)].set(
             order, mode="drop")  # (token, k) assignment held by each slot; n = empty slot
-        token = jnp.where(assignment < n, assignment // k, t)  # token t is an all-zero row
-        xs = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[token]
-        xs = xs.reshape(blocks, block_size, -1)
+        token = jnp.where(assignment < n, assignment // k, 0).reshape(blocks, block_size)
+        row_weight = jnp.concatenate([weights.reshape(-1).astype(jnp.float32),
+                                      jnp.zeros((1,), jnp.float32)])[assignment]
         bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), padded_end // block_size])
-    with scope("grouped_matmul"):
-        out = block_expert_mlp(xs, w_gate, w_up, w_down, bounds).reshape(rows, -1)
-    with scope("combine"):
-        slot_weight = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])
-        out = out.astype(jnp.float32) * slot_weight[assignment][:, None].astype(jnp.float32)
-        return jnp.zeros((t + 1, x.shape[1]), jnp.float32).at[token].add(out)[:t]
+    with scope("grouped_matmul"):  # gathers, weights and scatters block by block itself
+        return block_expert_mlp(x, token, row_weight.reshape(blocks, block_size),
+                                w_gate, w_up, w_down, bounds)
 
 
 def capacity_slots(expert_idx, weights, num_experts: int, capacity: int, drop_policy: str):

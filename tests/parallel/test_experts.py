@@ -110,33 +110,41 @@ def test_probability_policy_keeps_the_highest_weights():
 
 
 def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
-    """block_expert_mlp's custom VJP: blocks past the last bound are zero and get no gradient,
-    an expert without blocks gets a zero gradient; weight gradients sum over every block of an
-    expert. Reference: float64 NumPy (SwiGLU written out, its derivative by central
-    differences of the reference); float32 tolerance rtol 1e-4, atol 1e-5."""
+    """block_expert_mlp's custom VJP: it gathers each slot's token, weights the expert output
+    and scatter-adds it back; slots of blocks past the last bound are never used and get no
+    gradient, an expert without blocks gets a zero gradient, a token met by two experts sums
+    both, an empty slot (weight 0) adds nothing. Reference: float64 NumPy (SwiGLU written out,
+    its derivatives by central differences of the reference); float32 tolerance rtol 1e-4,
+    atol 1e-5."""
     from maxmoe.parallel.experts import block_expert_mlp
 
     rng = np.random.default_rng(0)
-    n, bs, d, f, e_count, used = 5, 4, 3, 2, 3, 4
-    xb = rng.normal(size=(n, bs, d)).astype(np.float32)
+    t, n, bs, d, f, e_count, used = 6, 5, 4, 3, 2, 3, 4
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    token = rng.integers(0, t, size=(n, bs)).astype(np.int32)
+    row_weight = rng.uniform(0.1, 1.0, size=(n, bs)).astype(np.float32)
+    row_weight[3, 1] = 0.0  # an empty slot
     wg = rng.normal(size=(e_count, d, f)).astype(np.float32)
     wu = rng.normal(size=(e_count, d, f)).astype(np.float32)
     wd = rng.normal(size=(e_count, f, d)).astype(np.float32)
-    g = rng.normal(size=(n, bs, d)).astype(np.float32)
+    g = rng.normal(size=(t, d)).astype(np.float32)
     bounds = jnp.array([0, 2, 2, used], jnp.int32)  # expert 0: blocks 0-1, 1: none, 2: 2-3
     block_expert = [0, 0, 2, 2]
-    out, vjp = jax.vjp(lambda *w: block_expert_mlp(*w, bounds), xb, wg, wu, wd)
+    out, vjp = jax.vjp(lambda x, rw, *w: block_expert_mlp(x, token, rw, *w, bounds),
+                       x, row_weight, wg, wu, wd)
     grads = vjp(g)
 
-    def reference(x, wg, wu, wd):  # float64; loss = sum(out * g)
-        out = np.zeros((n, bs, d))
+    def reference(x, rw, wg, wu, wd):  # float64; loss = sum(out * g)
+        out = np.zeros((t, d))
         for i in range(used):
-            e = int(block_expert[i])
-            gate, up = x[i] @ wg[e], x[i] @ wu[e]
-            out[i] = (gate / (1 + np.exp(-gate)) * up) @ wd[e]
+            e = block_expert[i]
+            for j in range(bs):
+                v = x[token[i, j]]
+                gate, up = v @ wg[e], v @ wu[e]
+                out[token[i, j]] += rw[i, j] * (gate / (1 + np.exp(-gate)) * up) @ wd[e]
         return out
 
-    args = [a.astype(np.float64) for a in (xb, wg, wu, wd)]
+    args = [a.astype(np.float64) for a in (x, row_weight, wg, wu, wd)]
     np.testing.assert_allclose(out, reference(*args), rtol=1e-4, atol=1e-5)
     g64, eps = g.astype(np.float64), 1e-6
     for k, got in enumerate(grads):
@@ -147,4 +155,5 @@ def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
             lo[k][idx] -= eps
             want[idx] = np.sum((reference(*hi) - reference(*lo)) * g64) / (2 * eps)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert not np.any(np.asarray(out)[used:]) and not np.any(np.asarray(grads[0])[used:])
+    assert not np.any(np.asarray(grads[1])[used:])  # unused blocks: no weight gradient
+    assert not np.any(np.asarray(grads[2])[1]) and not np.any(np.asarray(grads[4])[1])
