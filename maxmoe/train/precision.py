@@ -70,9 +70,3 @@ def make_loss_scaler(cfg: PrecisionConfig) -> LossScaler | None:
         return None
     return LossScaler(2.0 ** cfg.loss_scale_initial_power, cfg.loss_scale_window,
                       cfg.loss_scale_hysteresis, cfg.loss_scale_min)
-
-
-def all_finite(tree) -> jax.Array:
-    """True iff every element of every leaf is finite (bool [])."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)

@@ -30,7 +30,7 @@ from maxmoe.model.transformer import Transformer
 from maxmoe.sharding import named, spec, state_shardings, use_mesh
 from maxmoe.train.guards import StepGuard, select
 from maxmoe.train.optimizer import learning_rate_schedule, make_optimizer
-from maxmoe.train.precision import all_finite, make_loss_scaler
+from maxmoe.train.precision import make_loss_scaler
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -188,8 +188,11 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         grads, metrics = gradients(params, batch, buffers, scale_state)
         if scaler is not None:
             grads = scaler.unscale(grads, scale_state)
-        finite = all_finite(grads)
         grad_norm = optax.global_norm(grads)
+        # a NaN or inf in any gradient makes the norm non-finite: one pass over the gradients,
+        # not two (issue 8). A finite gradient above ~1e19 overflows the squared sum and counts
+        # as non-finite too, which the guard would skip anyway.
+        finite = jnp.isfinite(grad_norm)
         opt_state = state["opt_state"]
         if device_opt_shardings is not None:
             opt_state = jax.device_put(opt_state, device_opt_shardings)
