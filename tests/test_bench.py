@@ -7,8 +7,8 @@ import pytest
 
 from maxmoe.bench import benchmark
 from maxmoe.metrics.flops import flops_per_token
-from maxmoe.metrics.profile import (COLLECTIVES, categorize, collective_instructions,
-                                    matmul_instructions, op_names)
+from maxmoe.metrics.profile import (COLLECTIVES, _innermost, _share, categorize,
+                                    collective_instructions, matmul_instructions, op_names)
 from tests.helpers import small_config
 from maxmoe.validation import validate
 
@@ -41,6 +41,19 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
     assert categorize("jit(f)/moe/shard_map/psum", collective=True) == COLLECTIVES
 
 
+def test_wall_time_goes_to_the_innermost_op_and_is_shared_between_threads():
+    """Hand-made timelines (ns). Thread 1: loop 0-100 holding a dot 10-60 and an add 60-70.
+    Thread 2: a dot 40-80. Nothing runs 100-120, then a copy 120-130 on thread 2."""
+    one = _innermost([(0, 100, "loop"), (10, 60, "dot"), (60, 70, "add"), (50, 50, "empty")])
+    assert one == [(0, 10, "loop"), (10, 60, "dot"), (60, 70, "add"), (70, 100, "loop")]
+    two = _innermost([(40, 80, "dot2"), (120, 130, "copy")])
+    got = _share(one + two)
+    # 40-60 dot | dot2, 60-70 add | dot2, 70-80 loop | dot2: each gets half of those moments
+    assert got == {"loop": 10 + 5 + 20, "dot": 30 + 10, "add": 5, "dot2": 10 + 5 + 5,
+                   "": 20, "copy": 10}
+    assert sum(got.values()) == 130  # the whole span, idle included
+
+
 def test_bench_figures_and_profile_breakdown(tmp_path):
     cfg, origins = small_config("model.remat_policy=none")
     sizes = validate(cfg, 8, origins)
@@ -54,12 +67,16 @@ def test_bench_figures_and_profile_breakdown(tmp_path):
     parts = {row["part"]: row for row in r["profile"]["parts"]}
     # every named part of the model ran and was seen, forward and backward
     # data-parallel over the 8 test devices: the gradient all-reduces are collectives
+    # (no "moe: combine": the CPU's blocked experts scatter their outputs inside the loop)
     for part in (COLLECTIVES, "attention: core", "attention: projections", "moe: grouped matmul",
-                 "moe: dispatch (sort, gather)", "moe: combine (scatter)", "moe: router",
+                 "moe: dispatch (sort, gather)", "moe: router",
                  "dense mlp", "lm head", "loss", "optimizer"):
         assert parts[part]["total_ms"] > 0, part
     for part in ("attention: projections", "moe: grouped matmul", "lm head"):
         assert parts[part]["backward_ms"] > 0 and parts[part]["matmul_ms"] > 0, part
     assert sum(row["share"] for row in parts.values()) == pytest.approx(1.0)
+    # wall time: the parts add up to about the traced steps, not to the threads' sum
+    traced = sum(row["total_ms"] for row in parts.values())
+    assert 0.5 * r["step_time_s"] * 1e3 < traced < 2.0 * r["step_time_s"] * 1e3
     assert all(row["matmul_ms"] <= row["total_ms"] + 1e-9 for row in parts.values())
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))

@@ -4,8 +4,8 @@
 trace back with `jax.profiler.ProfileData` (no TensorBoard needed). Each executed XLA op
 (a thunk on CPU, a kernel on GPU) is mapped to its HLO instruction in the compiled module and
 from there to the `jax.named_scope` it was traced under (model/transformer.py, moe.py,
-parallel/experts.py, train/step.py name the parts). Time is exclusive: a loop or call op
-counts only what its children do not. Forward and backward are told apart by the `transpose(`
+parallel/experts.py, train/step.py name the parts). Time is wall time: a loop or call op
+counts only what its children do not, and ops running at once share the moment. Forward and backward are told apart by the `transpose(`
 that JAX puts in the names of backward ops. The trace itself is left in DIR for TensorBoard or
 Perfetto.
 """
@@ -97,8 +97,13 @@ def categorize(op_name: str, collective: bool = False) -> str:
 
 
 def instruction_times(trace_dir: Path, names: dict[str, str], module: str = "") -> dict[str, float]:
-    """HLO instruction name -> exclusive ns summed over every timeline of the newest trace.
+    """HLO instruction name -> ns of wall time in the newest trace, "" -> ns when no op ran.
 
+    On each timeline the innermost running op owns the moment (a loop or call op counts only
+    what its children do not cover); across timelines, ops running at the same moment share
+    it equally. So the times add up to the traced span: on XLA:CPU two independent ops run at
+    once on the two cores and each gets half, where summing thread time would count both in
+    full (issue 8: the two LM-head backward dots ran side by side, 25 ms each, in 25 ms).
     Events name their op in the `hlo_op` stat (GPU kernels have other names); GPU traces are
     read from the device planes only, so host-side launches are not counted twice."""
     import jax
@@ -108,7 +113,7 @@ def instruction_times(trace_dir: Path, names: dict[str, str], module: str = "") 
         raise FileNotFoundError(f"{trace_dir}: the profiler wrote no *.xplane.pb")
     planes = list(jax.profiler.ProfileData.from_file(str(files[-1])).planes)
     device = [p for p in planes if p.name.startswith("/device:") and "CPU" not in p.name]
-    out: dict[str, float] = collections.defaultdict(float)
+    segments = []
     for plane in device or planes:
         for line in plane.lines:
             spans = []
@@ -119,18 +124,57 @@ def instruction_times(trace_dir: Path, names: dict[str, str], module: str = "") 
                 name = stats.get("hlo_op", e.name)
                 if name in names:  # every instruction, loops and calls included
                     spans.append((e.start_ns, e.start_ns + e.duration_ns, name))
-            for name, ns in _exclusive(sorted(spans, key=lambda s: (s[0], -s[1]))).items():
-                out[name] += ns
+            segments += _innermost(spans)
+    return _share(segments)
+
+
+def _innermost(spans) -> list[tuple[int, int, str]]:
+    """Nested (start, end, name) spans of one timeline -> disjoint segments, each owned by
+    the innermost span running then."""
+    spans = [sp for sp in spans if sp[1] > sp[0]]
+    points = sorted([(s, 1, -e, k) for k, (s, e, _) in enumerate(spans)]
+                    + [(e, 0, 0, k) for k, (_, e, _) in enumerate(spans)])
+    out, stack, last = [], [], None
+    for t, starting, _, k in points:  # ends before starts at equal times; outer spans first
+        if stack and t > last:
+            out.append((last, t, spans[stack[-1]][2]))
+        last = t
+        if starting:
+            stack.append(k)
+        elif k in stack:
+            stack.remove(k)
+    return out
+
+
+def _share(segments) -> dict[str, float]:
+    """Segments of all timelines -> name -> ns, each moment split among the segments running
+    then; "" gets the moments inside the span when none runs."""
+    points = sorted([(s, 1, n) for s, _, n in segments] + [(e, -1, n) for _, e, n in segments])
+    out: dict[str, float] = collections.defaultdict(float)
+    running: collections.Counter = collections.Counter()
+    last = points[0][0] if points else 0
+    for t, delta, name in points:
+        if t > last:
+            busy = sum(running.values())
+            for n, count in running.items():
+                if count:
+                    out[n] += (t - last) * count / busy
+            if not busy:
+                out[""] += t - last
+        running[name] += delta
+        last = t
     return out
 
 
 def breakdown(trace_dir: Path, hlo_text: str, steps: int) -> dict[str, list[dict]]:
-    """{"parts": rows {part, forward_ms, backward_ms, matmul_ms, total_ms, share} per step,
-    largest first; "ops": up to TOP rows {op, op_name, total_ms, share} of the costliest ops}."""
+    """{"parts": rows {part, forward_ms, backward_ms, matmul_ms, total_ms, share} per step in
+    wall time (see instruction_times), largest first, then IDLE; "ops": up to TOP rows
+    {op, op_name, total_ms, share} of the costliest ops}."""
     names, matmuls = op_names(hlo_text), matmul_instructions(hlo_text)
     collectives = collective_instructions(hlo_text)
     module = re.match(r"\s*HloModule ([\w.\-]+)", hlo_text)
     times = instruction_times(trace_dir, names, module.group(1) if module else "")
+    idle = times.pop("", 0.0) / 1e6 / steps
     rows = collections.defaultdict(lambda: collections.Counter())
     for name, ns in times.items():
         op, ms = names[name], ns / 1e6 / steps
@@ -138,30 +182,21 @@ def breakdown(trace_dir: Path, hlo_text: str, steps: int) -> dict[str, list[dict
         row["backward_ms" if "transpose(" in op else "forward_ms"] += ms
         if name in matmuls:
             row["matmul_ms"] += ms
-    total = sum(times.values()) / 1e6 / steps or 1.0
+    total = (sum(times.values()) / 1e6 / steps + idle) or 1.0
     out = [{"part": part, "forward_ms": r["forward_ms"], "backward_ms": r["backward_ms"],
             "matmul_ms": r["matmul_ms"], "total_ms": r["forward_ms"] + r["backward_ms"],
             "share": (r["forward_ms"] + r["backward_ms"]) / total} for part, r in rows.items()]
+    out = sorted(out, key=lambda r: -r["total_ms"]) + [
+        {"part": IDLE, "forward_ms": 0.0, "backward_ms": 0.0, "matmul_ms": 0.0,
+         "total_ms": idle, "share": idle / total}]
     top = sorted(times.items(), key=lambda kv: -kv[1])[:TOP]
-    return {"parts": sorted(out, key=lambda r: -r["total_ms"]),
+    return {"parts": out,
             "ops": [{"op": name, "op_name": names[name], "total_ms": ns / 1e6 / steps,
                      "share": ns / 1e6 / steps / total} for name, ns in top]}
 
 
 TOP = 12
-
-
-def _exclusive(spans) -> dict[str, float]:
-    out: dict[str, float] = collections.defaultdict(float)
-    stack: list[tuple] = []  # (end, name) of the enclosing events
-    for start, end, name in spans:
-        while stack and stack[-1][0] <= start:
-            stack.pop()
-        if stack:  # a child: its time is not its parent's
-            out[stack[-1][1]] -= end - start
-        stack.append((end, name))
-        out[name] += end - start
-    return out
+IDLE = "idle (no op running)"
 
 
 def table(profile: dict[str, list[dict]]) -> str:
@@ -172,7 +207,7 @@ def table(profile: dict[str, list[dict]]) -> str:
                      f"{r['total_ms']:>8.1f} {100 * r['share']:>5.1f}% {r['matmul_ms']:>7.1f}")
     total = sum(r["total_ms"] for r in rows)
     mm = sum(r["matmul_ms"] for r in rows)
-    lines.append(f"{'all (thread time; CPU threads overlap)':<38} {'':>8} {'':>8} {total:>8.1f} "
+    lines.append(f"{'all (wall time of the traced steps)':<38} {'':>8} {'':>8} {total:>8.1f} "
                  f"{'':>6} {mm:>7.1f}")
     lines.append("costliest ops:")
     for r in ops:
