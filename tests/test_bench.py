@@ -36,6 +36,8 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
     assert "fusion.7" in matmul_instructions(hlo) and "exp.1" not in matmul_instructions(hlo)
     assert categorize(names["exp.1"]) == "attention: core"
     assert categorize(names["fusion.7"]) == "lm head"
+    assert categorize("jit(f)/transpose(jvp())/while/body/closed_call/attention/projection/"
+                      "bhsk,hkd->bsd/dot_general") == "attention: projections"
     assert categorize("jit(f)/transpose(jvp())/while/body/closed_call/moe/shard_map/"
                       "grouped_matmul/while/body/dot_general") == "moe: grouped matmul"
     assert categorize("jit(f)/moe/shard_map/psum", collective=True) == COLLECTIVES

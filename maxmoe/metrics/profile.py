@@ -32,7 +32,7 @@ PARTS = [(part, re.compile(r".*".join(_S.format(n) for n in path.split("/")))) f
     ("moe: router", "moe/router"),
     ("moe: shared experts", "moe/shared_experts"),
     ("moe: other", "moe"),
-    ("attention: projections", "attention/(bsd,dhk->bshk|bshk,hkd->bsd)"),
+    ("attention: projections", "attention/projection"),
     ("attention: core", "attention"),
     ("dense mlp", "mlp"),
     ("lm head", "lm_head"),

@@ -100,19 +100,20 @@ class Attention(nnx.Module):
         cfg = self.cfg
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
         heads = ("batch", "seq", "act_heads", None)
-        q = jnp.einsum("bsd,dhk->bshk", x, c(self.q))
-        k = jnp.einsum("bsd,dhk->bshk", x, c(self.k))
+        with jax.named_scope("projection"):  # the profile's "attention: projections"
+            q, k, v = (jnp.einsum("bsd,dhk->bshk", x, c(w)) for w in (self.q, self.k, self.v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = shard(apply_rope(q, positions, cfg), heads)
         k = shard(apply_rope(k, positions, cfg), heads)
-        v = shard(jnp.einsum("bsd,dhk->bshk", x, c(self.v)), heads)
+        v = shard(v, heads)
         # named for the save_named / offload_named remat policies (transformer.py)
         q, k, v = (checkpoint_name(t, "qkv_proj") for t in (q, k, v))
         b, s, _, hd = q.shape
         if cfg.implementation == "fused":
             out = shard(fused_attention(q, k, v, segment_ids), heads)
-            out = jnp.einsum("bshk,hkd->bsd", out, c(self.o))
+            with jax.named_scope("projection"):
+                out = jnp.einsum("bshk,hkd->bsd", out, c(self.o))
         else:
             groups = cfg.num_heads // cfg.num_kv_heads
             # query head h uses kv head h // G; the scale folded into q (4x smaller than scores)
@@ -124,7 +125,8 @@ class Attention(nnx.Module):
                                           preferred_element_type=jnp.float32),
                 v.transpose(0, 2, 1, 3), segment_ids, self.dtype, cfg.causal_block_size)
             out = shard(out, ("batch", "act_heads", "seq", None))
-            out = jnp.einsum("bhsk,hkd->bsd", out, c(self.o))
+            with jax.named_scope("projection"):
+                out = jnp.einsum("bhsk,hkd->bsd", out, c(self.o))
         out = shard(out, ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")
 

@@ -58,18 +58,20 @@ class LatentAttention(nnx.Module):
         cfg = self.cfg
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
         heads = ("batch", "seq", "act_heads", None)
-        if self.q is not None:
-            q = jnp.einsum("bsd,dhk->bshk", x, c(self.q))
-        else:
-            q_latent = shard(self.q_a_norm(x @ c(self.q_a)), ("batch", "seq", None))  # [B, S, Q]
-            q = jnp.einsum("bsq,qhk->bshk", q_latent, c(self.q_b))
+        with jax.named_scope("projection"):  # the profile's "attention: projections"
+            if self.q is not None:
+                q = jnp.einsum("bsd,dhk->bshk", x, c(self.q))
+            else:
+                q_latent = shard(self.q_a_norm(x @ c(self.q_a)), ("batch", "seq", None))  # [B, S, Q]
+                q = jnp.einsum("bsq,qhk->bshk", q_latent, c(self.q_b))
+            latent = shard(self.kv_a_norm(x @ c(self.kv_a)), ("batch", "seq", None))  # [B, T, C]
+            k_pe = (x @ c(self.k_rope))[:, :, None, :]
+            k_nope = shard(jnp.einsum("btc,chk->bthk", latent, c(self.k_nope)), heads)
+            v = shard(jnp.einsum("btc,chk->bthk", latent, c(self.v)), heads)
         q = shard(q, heads)
         q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         q_pe = apply_rope(q_pe, positions, cfg)
-        latent = shard(self.kv_a_norm(x @ c(self.kv_a)), ("batch", "seq", None))  # [B, T, C]
-        k_pe = apply_rope((x @ c(self.k_rope))[:, :, None, :], positions, cfg)[:, :, 0]  # [B, T, R]
-        k_nope = shard(jnp.einsum("btc,chk->bthk", latent, c(self.k_nope)), heads)
-        v = shard(jnp.einsum("btc,chk->bthk", latent, c(self.v)), heads)
+        k_pe = apply_rope(k_pe, positions, cfg)[:, :, 0]  # [B, T, R]
         # named for the save_named / offload_named remat policies (transformer.py)
         q_nope, q_pe, k_nope, k_pe, v = (checkpoint_name(t, "qkv_proj")
                                          for t in (q_nope, q_pe, k_nope, k_pe, v))
@@ -84,5 +86,6 @@ class LatentAttention(nnx.Module):
         out = shard(causal_attention(scores, v.transpose(0, 2, 1, 3), segment_ids, self.dtype,
                                      cfg.causal_block_size),
                     ("batch", "act_heads", "seq", None))
-        out = shard(jnp.einsum("bhsk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+        with jax.named_scope("projection"):
+            out = shard(jnp.einsum("bhsk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")
