@@ -45,12 +45,14 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     output rows: each expert's weights are sliced once and gate | up joined into one matmul,
     its weight gradients summed in the loop carry. Gathering, weighting and scattering inside
     the loop (rather than before and after it) means no [N * bs, D] copy of the inputs or the
-    outputs is made, so the layer scan stacks neither for the backward: its only residual is
-    the gate/up pre-activations of the blocks in use (the router weight's gradient is
-    rowsum(dL/d(weighted h) * h), from those). The weights are taken apart, not pre-joined, so
-    the other residuals are the params themselves. On XLA:CPU, a batched matmul over per-block
-    gathered weights took 1.6x the CPU time of this loop and ragged_dot runs at 0.08x a dense
-    matmul (tools/bench_grouped_matmul.py).
+    outputs is made, and the backward recomputes each block's gate/up matmul rather than
+    keeping it, so the layer scan stacks no activation of this kernel: its residuals are its
+    inputs (x, the params, the slots). The router weight's gradient is rowsum(dL/d(weighted
+    h) * h). Issue 8, CPU reference shape: folding dispatch and combine in took the step from
+    355 to 341 ms; recomputing gate/up instead of keeping it changed the step by less than
+    the noise (335.8 vs 336.4 ms) and cut XLA's temporaries 0.258 -> 0.219 GiB. On XLA:CPU
+    a batched matmul over per-block gathered weights took 1.6x the CPU time of this loop and
+    ragged_dot runs at 0.09x a dense matmul (tools/bench_grouped_matmul.py).
     """
     return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds)[0]
 
@@ -63,22 +65,19 @@ def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
     def expert(e, carry):
         wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
 
-        def block(i, carry):
-            y, gate_up = carry
+        def block(i, y):
             gu = x[token[i]] @ wgu
             h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
             hw = (h * row_weight[i][:, None]).astype(x.dtype)
-            y = y.at[token[i]].add(jnp.dot(hw, wd, preferred_element_type=jnp.float32))
-            return y, jax.lax.dynamic_update_index_in_dim(gate_up, gu, i, 0)
+            return y.at[token[i]].add(jnp.dot(hw, wd, preferred_element_type=jnp.float32))
         return jax.lax.fori_loop(bounds[e], bounds[e + 1], block, carry)
-    y, gate_up = jax.lax.fori_loop(0, w_down.shape[0], expert, (
-        jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32),
-        jnp.zeros((*token.shape, 2 * f), x.dtype)))
-    return y, (x, token, row_weight, w_gate, w_up, w_down, bounds, gate_up)
+    y = jax.lax.fori_loop(0, w_down.shape[0], expert,
+                          jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32))
+    return y, (x, token, row_weight, w_gate, w_up, w_down, bounds)
 
 
 def _block_expert_mlp_bwd(res, gy):
-    x, token, row_weight, w_gate, w_up, w_down, bounds, gate_up = res
+    x, token, row_weight, w_gate, w_up, w_down, bounds = res
     gy = jnp.asarray(gy)
     f = w_down.shape[1]
 
@@ -90,7 +89,8 @@ def _block_expert_mlp_bwd(res, gy):
             dx, drw, gwgu, gwd = carry
             tok, w = token[i], row_weight[i][:, None].astype(jnp.float32)
             g = gy[tok].astype(x.dtype)
-            gu = gate_up[i].astype(jnp.float32)
+            xi = x[tok]
+            gu = (xi @ wgu).astype(jnp.float32)
             gate, up = gu[:, :f], gu[:, f:]
             sig = jax.nn.sigmoid(gate)
             act = gate * sig  # silu
@@ -103,7 +103,7 @@ def _block_expert_mlp_bwd(res, gy):
             dx = dx.at[tok].add(jnp.dot(dgu, wgu.T, preferred_element_type=jnp.float32))
             # weight gradients sum over many blocks: accumulate in float32 whatever the dtype
             hw = (h * w).astype(x.dtype)
-            return (dx, drw, gwgu + jnp.dot(x[tok].T, dgu, preferred_element_type=jnp.float32),
+            return (dx, drw, gwgu + jnp.dot(xi.T, dgu, preferred_element_type=jnp.float32),
                     gwd + jnp.dot(hw.T, g, preferred_element_type=jnp.float32))
         dx, drw, gwgu, gwd = jax.lax.fori_loop(bounds[e], bounds[e + 1], block, (
             dx, drw, jnp.zeros(wgu.shape, jnp.float32), jnp.zeros(wd.shape, jnp.float32)))
