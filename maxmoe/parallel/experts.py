@@ -4,8 +4,9 @@ Inside `shard_map` every device holds its batch shard of tokens and E/ep of the 
 (ep = size of the mesh axes the logical `experts` axis maps to).
 
 - dropless: tokens are all-gathered over the expert axis, each device sorts the (token, k)
-  assignments that hit its own experts, runs them as a grouped matmul (`lax.ragged_dot`;
-  nothing dropped whatever the imbalance) and reduce-scatters the partial outputs back to the
+  assignments that hit its own experts, runs them as a grouped matmul (`lax.ragged_dot` on
+  GPU; on CPU `block_expert_mlp`, a loop over per-expert row blocks that gathers, computes and
+  scatters in one; nothing dropped whatever the imbalance) and reduce-scatters the partial outputs back to the
   token owners. This all-gather/reduce-scatter form needs no ragged all-to-all (absent on
   XLA:CPU), moves each token once rather than once per k, and wins for small expert axes.
 - capacity: every device packs its own assignments into `capacity` slots per expert
