@@ -41,14 +41,14 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     non-decreasing, bounds[0] = 0. Returns y [T, D] float32 (the K contributions per token
     summed in float32).
 
-    A loop over experts around a loop over that expert's blocks (dynamic trip counts), every
-    step a gather of the block's token rows, 2-D matmuls and a scatter-add of its weighted
-    output rows: each expert's weights are sliced once and gate | up joined into one matmul,
-    its weight gradients summed in the loop carry. Gathering, weighting and scattering inside
-    the loop (rather than before and after it) means no [N * bs, D] copy of the inputs or the
-    outputs is made, and the backward recomputes each block's gate/up matmul rather than
-    keeping it, so the layer scan stacks no activation of this kernel: its residuals are its
-    inputs (x, the params, the slots). The router weight's gradient is rowsum(dL/d(weighted
+    A loop over experts around a loop over that expert's blocks (dynamic trip counts, GROUP
+    blocks a step while that many remain, then one), every step a gather of the blocks' token
+    rows, 2-D matmuls and a scatter-add of their weighted output rows: each expert's weights
+    are sliced once and gate | up joined into one matmul, its weight gradients summed in the
+    loop carry. Gathering, weighting and scattering inside the loop (rather than before and
+    after it) means no [N * bs, D] copy of the inputs or the outputs is made, and the backward
+    recomputes each block's gate/up matmul rather than keeping it, so the layer scan stacks
+    no activation of this kernel: its residuals are its inputs (x, the params, the slots). The router weight's gradient is rowsum(dL/d(weighted
     h) * h). Issue 8, CPU reference shape: folding dispatch and combine in took the step from
     355 to 341 ms; recomputing gate/up instead of keeping it changed the step by less than
     the noise (335.8 vs 336.4 ms) and cut XLA's temporaries 0.258 -> 0.219 GiB. On XLA:CPU
@@ -66,12 +66,13 @@ def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
     def expert(e, carry):
         wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
 
-        def block(i, y):
-            gu = x[token[i]] @ wgu
+        def block(i, m, y):
+            tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None]
+            gu = x[tok] @ wgu
             h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
-            hw = (h * row_weight[i][:, None]).astype(x.dtype)
-            return y.at[token[i]].add(jnp.dot(hw, wd, preferred_element_type=jnp.float32))
-        return jax.lax.fori_loop(bounds[e], bounds[e + 1], block, carry)
+            hw = (h * w).astype(x.dtype)
+            return y.at[tok].add(jnp.dot(hw, wd, preferred_element_type=jnp.float32))
+        return _over_blocks(bounds[e], bounds[e + 1], block, carry)
     y = jax.lax.fori_loop(0, w_down.shape[0], expert,
                           jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32))
     return y, (x, token, row_weight, w_gate, w_up, w_down, bounds)
@@ -86,9 +87,9 @@ def _block_expert_mlp_bwd(res, gy):
         dx, drw, dwg, dwu, dwd = carry
         wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
 
-        def block(i, carry):
+        def block(i, m, carry):
             dx, drw, gwgu, gwd = carry
-            tok, w = token[i], row_weight[i][:, None].astype(jnp.float32)
+            tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None].astype(jnp.float32)
             g = gy[tok].astype(x.dtype)
             xi = x[tok]
             gu = (xi @ wgu).astype(jnp.float32)
@@ -97,7 +98,8 @@ def _block_expert_mlp_bwd(res, gy):
             act = gate * sig  # silu
             h = act * up
             dhw = jnp.dot(g, wd.T, preferred_element_type=jnp.float32)  # d(weighted h)
-            drw = jax.lax.dynamic_update_index_in_dim(drw, jnp.sum(dhw * h, axis=1), i, 0)
+            drw = jax.lax.dynamic_update_slice_in_dim(
+                drw, jnp.sum(dhw * h, axis=1).reshape(m, -1), i, 0)
             dh = dhw * w
             dgate = dh * up * (sig * (1 + gate * (1 - sig)))  # d silu = sig (1 + x (1 - sig))
             dgu = jnp.concatenate([dgate, dh * act], axis=1).astype(x.dtype)
@@ -106,7 +108,7 @@ def _block_expert_mlp_bwd(res, gy):
             hw = (h * w).astype(x.dtype)
             return (dx, drw, gwgu + jnp.dot(xi.T, dgu, preferred_element_type=jnp.float32),
                     gwd + jnp.dot(hw.T, g, preferred_element_type=jnp.float32))
-        dx, drw, gwgu, gwd = jax.lax.fori_loop(bounds[e], bounds[e + 1], block, (
+        dx, drw, gwgu, gwd = _over_blocks(bounds[e], bounds[e + 1], block, (
             dx, drw, jnp.zeros(wgu.shape, jnp.float32), jnp.zeros(wd.shape, jnp.float32)))
         put = lambda acc, grad: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
             acc, grad.astype(acc.dtype), e, 0)
@@ -118,6 +120,25 @@ def _block_expert_mlp_bwd(res, gy):
 
 
 block_expert_mlp.defvjp(_block_expert_mlp_fwd, _block_expert_mlp_bwd)
+
+# blocks per loop step: 4 blocks of 128 rows make 512-row matmuls, which XLA:CPU runs on both
+# cores, and a quarter of the per-op overhead (issue 8 reference shape, two paired runs each:
+# 1 / 2 / 4 blocks per step 334 / 325 / 320 ms; 4, 2, 1 or 8, 4, 2, 1 in turn no better)
+GROUP = 4
+
+
+def _rows(a, i, m):
+    """Blocks i:i+m of a [N, bs, ...] array as one [m * bs, ...] array."""
+    part = jax.lax.dynamic_slice_in_dim(a, i, m)
+    return part.reshape(-1, *a.shape[2:])
+
+
+def _over_blocks(lo, hi, body, carry):
+    """body(i, m, carry) over blocks lo:hi, m (static) blocks at a time: GROUP while that many
+    remain, then one by one."""
+    n = (hi - lo) // GROUP
+    carry = jax.lax.fori_loop(0, n, lambda j, c: body(lo + j * GROUP, GROUP, c), carry)
+    return jax.lax.fori_loop(lo + n * GROUP, hi, lambda i, c: body(i, 1, c), carry)
 
 
 def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *,

@@ -113,13 +113,15 @@ def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
     """block_expert_mlp's custom VJP: it gathers each slot's token, weights the expert output
     and scatter-adds it back; slots of blocks past the last bound are never used and get no
     gradient, an expert without blocks gets a zero gradient, a token met by two experts sums
-    both, an empty slot (weight 0) adds nothing. Reference: float64 NumPy (SwiGLU written out,
+    both, an empty slot (weight 0) adds nothing; expert 0 has more blocks than one loop step
+    takes (GROUP at a time, then one by one). Reference: float64 NumPy (SwiGLU written out,
     its derivatives by central differences of the reference); float32 tolerance rtol 1e-4,
     atol 1e-5."""
-    from maxmoe.parallel.experts import block_expert_mlp
+    from maxmoe.parallel.experts import GROUP, block_expert_mlp
 
     rng = np.random.default_rng(0)
-    t, n, bs, d, f, e_count, used = 6, 5, 4, 3, 2, 3, 4
+    first = 2 * GROUP + 2  # expert 0: two steps of GROUP blocks, then two single ones
+    t, n, bs, d, f, e_count, used = 6, first + 3, 4, 3, 2, 3, first + 2
     x = rng.normal(size=(t, d)).astype(np.float32)
     token = rng.integers(0, t, size=(n, bs)).astype(np.int32)
     row_weight = rng.uniform(0.1, 1.0, size=(n, bs)).astype(np.float32)
@@ -128,8 +130,8 @@ def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
     wu = rng.normal(size=(e_count, d, f)).astype(np.float32)
     wd = rng.normal(size=(e_count, f, d)).astype(np.float32)
     g = rng.normal(size=(t, d)).astype(np.float32)
-    bounds = jnp.array([0, 2, 2, used], jnp.int32)  # expert 0: blocks 0-1, 1: none, 2: 2-3
-    block_expert = [0, 0, 2, 2]
+    bounds = jnp.array([0, first, first, used], jnp.int32)  # expert 1 has no blocks
+    block_expert = [0] * first + [2, 2]
     out, vjp = jax.vjp(lambda x, rw, *w: block_expert_mlp(x, token, rw, *w, bounds),
                        x, row_weight, wg, wu, wd)
     grads = vjp(g)
