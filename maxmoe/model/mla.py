@@ -62,7 +62,8 @@ class LatentAttention(nnx.Module):
             if self.q is not None:
                 q = jnp.einsum("bsd,dhk->bshk", x, c(self.q))
             else:
-                q_latent = shard(self.q_a_norm(x @ c(self.q_a)), ("batch", "seq", None))  # [B, S, Q]
+                q_latent = shard(self.q_a_norm(x @ c(self.q_a)),  # [B, S, Q]
+                                 ("batch", "seq", None))
                 q = jnp.einsum("bsq,qhk->bshk", q_latent, c(self.q_b))
             latent = shard(self.kv_a_norm(x @ c(self.kv_a)), ("batch", "seq", None))  # [B, T, C]
             k_pe = (x @ c(self.k_rope))[:, :, None, :]

@@ -4,11 +4,12 @@ Inside `shard_map` every device holds its batch shard of tokens and E/ep of the 
 (ep = size of the mesh axes the logical `experts` axis maps to).
 
 - dropless: tokens are all-gathered over the expert axis, each device sorts the (token, k)
-  assignments that hit its own experts, runs them as a grouped matmul (`lax.ragged_dot` on
-  GPU; on CPU `block_expert_mlp`, a loop over per-expert row blocks that gathers, computes and
-  scatters in one; nothing dropped whatever the imbalance) and reduce-scatters the partial outputs back to the
-  token owners. This all-gather/reduce-scatter form needs no ragged all-to-all (absent on
-  XLA:CPU), moves each token once rather than once per k, and wins for small expert axes.
+  assignments that hit its own experts, runs them as a grouped matmul (`lax.ragged_dot` on GPU;
+  on CPU `block_expert_mlp`, a loop over per-expert row blocks that gathers, computes and
+  scatters in one; nothing dropped whatever the imbalance) and reduce-scatters the partial
+  outputs back to the token owners. This all-gather/reduce-scatter form needs no ragged
+  all-to-all (absent on XLA:CPU), moves each token once rather than once per k, and wins for
+  small expert axes.
 - capacity: every device packs its own assignments into `capacity` slots per expert
   (GShard/Switch), exchanges them with one all-to-all over the expert axis, runs dense batched
   matmuls and sends results back with a second all-to-all. Overflowing assignments are
@@ -47,14 +48,14 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     are sliced once and gate | up joined into one matmul, its weight gradients summed in the
     loop carry. Gathering, weighting and scattering inside the loop (rather than before and
     after it) means no [N * bs, D] copy of the inputs or the outputs is made, and the backward
-    recomputes each block's gate/up matmul rather than keeping it, so the layer scan stacks
-    no activation of this kernel: its residuals are its inputs (x, the params, the slots). The router weight's gradient is rowsum(dL/d(weighted
-    h) * h). Issue 8, CPU reference shape: folding dispatch and combine in took the step from
-    355 to 341 ms; recomputing gate/up instead of keeping it changed the step by less than
-    the noise (335.8 vs 336.4 ms) and cut XLA's temporaries 0.258 -> 0.219 GiB. On XLA:CPU
-    a batched matmul over per-block gathered weights took 1.6x the CPU time of this loop and
-    ragged_dot runs at 0.10x a dense matmul, this kernel at 0.81x (forward+backward,
-    tools/bench_grouped_matmul.py --tokens 2048).
+    recomputes each block's gate/up matmul rather than keeping it, so the layer scan stacks no
+    activation of this kernel: its residuals are its inputs (x, the params, the slots). The
+    router weight's gradient is rowsum(dL/d(weighted h) * h). Issue 8, CPU reference shape:
+    folding dispatch and combine in took the step from 355 to 341 ms; recomputing gate/up
+    instead of keeping it changed the step by less than the noise (335.8 vs 336.4 ms) and cut
+    XLA's temporaries 0.258 -> 0.219 GiB. On XLA:CPU a batched matmul over per-block gathered
+    weights took 1.6x the CPU time of this loop and ragged_dot runs at 0.10x a dense matmul,
+    this kernel at 0.81x (forward+backward, tools/bench_grouped_matmul.py --tokens 2048).
     """
     return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds)[0]
 
