@@ -155,7 +155,7 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     """
     t, k = expert_idx.shape
     n, num_local = t * k, w_gate.shape[0]
-    scope = jax.named_scope  # dispatch / grouped_matmul / combine: the profile's MoE parts
+    scope = jax.named_scope  # the profile's MoE parts (blocked: no separate combine)
     with scope("dispatch"):
         local = expert_idx.reshape(-1) - first_expert  # [T*K]
         key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others last
@@ -190,10 +190,10 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         token = jnp.where(assignment < n, assignment // k, 0).reshape(blocks, block_size)
         row_weight = jnp.concatenate([weights.reshape(-1).astype(jnp.float32),
                                       jnp.zeros((1,), jnp.float32)])[assignment]
+        row_weight = row_weight.reshape(blocks, block_size)
         bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), padded_end // block_size])
     with scope("grouped_matmul"):  # gathers, weights and scatters block by block itself
-        return block_expert_mlp(x, token, row_weight.reshape(blocks, block_size),
-                                w_gate, w_up, w_down, bounds)
+        return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds)
 
 
 def capacity_slots(expert_idx, weights, num_experts: int, capacity: int, drop_policy: str):
