@@ -7,6 +7,8 @@ Dh head dim, R rotary dims, C kv latent (kv_lora_rank), Q query latent (q_lora_r
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,10 +28,36 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # statistics in float32 whatever the compute dtype (precision policy)
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.scale[...] * y).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """scale * x / sqrt(mean(x^2) + eps) over the last axis, statistics in float32 whatever
+    the compute dtype (precision policy); returns x's dtype.
+
+    The backward keeps x and the [..., 1] reciprocal RMS and recomputes x / rms from them:
+    autodiff kept the normalised x as well, one more [B, S, D] float32 residual per norm that
+    the layer scan stacks (issue 8 reference shape: two per layer)."""
+    return _rms_norm_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_fwd(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (scale * (x32 * r)).astype(x.dtype), (x, r, scale)
+
+
+def _rms_norm_bwd(eps, res, g):
+    x, r, scale = res
+    xn, g = x.astype(jnp.float32) * r, g.astype(jnp.float32)
+    gs = g * scale
+    dx = r * (gs - xn * jnp.mean(gs * xn, axis=-1, keepdims=True))
+    dscale = jnp.sum(g * xn, axis=tuple(range(x.ndim - 1)))
+    return dx.astype(x.dtype), dscale.astype(scale.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class Embed(nnx.Module):

@@ -9,15 +9,13 @@ with a decoupled RoPE key of R dims shared by all heads.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
-from maxmoe.model.attention import causal_attention
+from maxmoe.model.attention import attention_core
 from maxmoe.model.layers import RMSNorm, param
 from maxmoe.model.rope import apply_rope, yarn_mscale
 from maxmoe.sharding import shard
@@ -76,17 +74,14 @@ class LatentAttention(nnx.Module):
         # named for the save_named / offload_named remat policies (transformer.py)
         q_nope, q_pe, k_nope, k_pe, v = (checkpoint_name(t, "qkv_proj")
                                          for t in (q_nope, q_pe, k_nope, k_pe, v))
-        scale = softmax_scale(cfg)
-
-        def scores(lo, hi):  # the RoPE key is one head shared by all query heads: not broadcast
-            dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
-            s = (dot("bshk,bthk->bhst", q_nope[:, lo:hi], k_nope[:, :hi])
-                 + dot("bshr,btr->bhst", q_pe[:, lo:hi], k_pe[:, :hi]))
-            return s[:, :, None] * scale
-
-        out = shard(causal_attention(scores, v.transpose(0, 2, 1, 3), segment_ids, self.dtype,
-                                     cfg.causal_block_size),
-                    ("batch", "act_heads", "seq", None))
+        # one head dim of Dn + R: [q_nope, q_pe] . [k_nope, k_pe] is the sum of the two scores
+        # (the RoPE key is broadcast to every head, as Hugging Face's DeepSeek modules do)
+        q = jnp.concatenate([q_nope, q_pe], axis=-1) * softmax_scale(cfg)
+        k_pe = jnp.broadcast_to(k_pe[:, :, None], (*k_nope.shape[:3], k_pe.shape[-1]))
+        k = shard(jnp.concatenate([k_nope, k_pe], axis=-1), heads)
+        out = attention_core(q.transpose(0, 2, 1, 3)[:, :, None], k.transpose(0, 2, 1, 3),
+                             v.transpose(0, 2, 1, 3), segment_ids, cfg.causal_block_size)
+        out = shard(out[:, :, 0], ("batch", "act_heads", "seq", None))
         with jax.named_scope("projection"):
             out = shard(jnp.einsum("bhsk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")

@@ -149,15 +149,64 @@ def test_lm_head_matmul_gradients_equal_autodiff(dtype):
                                    rtol=tol, atol=tol)
 
 
-def test_softmax_backward_equals_jax_nn_softmax():
-    """attention.softmax keeps only its output for the backward; gradients equal
-    jax.nn.softmax's (float32, rtol 1e-6), masked (-1e30) entries included."""
-    from maxmoe.model.attention import MASKED, softmax
+@pytest.mark.parametrize("block_size", [0, 5])
+def test_attention_core_values_and_gradients_equal_float64_reference(block_size):
+    """attention_core (float32, custom backward that recomputes the probabilities transposed)
+    against autodiff of plain masked softmax attention over the whole square in float64.
+    atol 1e-5 on values and gradients of magnitude up to ~6 (float32 autodiff of the
+    reference lands within 2e-6 of it too). GQA (2 query heads per kv head), Dv != Dh (as
+    MLA), 3 documents and padding (segment 0) in a row, blocks of 5 over 12 queries (5 + 5 +
+    2: the last is short)."""
+    from maxmoe.model.attention import attention_core, attention_mask
 
-    x = jax.random.normal(jax.random.key(0), (2, 3, 5, 7))
-    x = x.at[0, :, :, 4:].add(MASKED)  # as attention masks them: every row keeps some entries
-    g = jax.random.normal(jax.random.key(1), x.shape)
-    ours = jax.vjp(softmax, x)
-    ref = jax.vjp(lambda a: jax.nn.softmax(a, axis=-1), x)
-    np.testing.assert_allclose(ours[0], ref[0], rtol=1e-6)
-    np.testing.assert_allclose(ours[1](g)[0], ref[1](g)[0], rtol=1e-6, atol=1e-7)
+    b, kv, g, s, dh, dv = 2, 2, 2, 12, 8, 6
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, kv, g, s, dh))
+    k = jax.random.normal(keys[1], (b, kv, s, dh))
+    v = jax.random.normal(keys[2], (b, kv, s, dv))
+    cot = jax.random.normal(keys[3], (b, kv, g, s, dv))
+    segment_ids = jnp.asarray([[1] * 4 + [2] * 5 + [3] * 2 + [0], [1] * 7 + [2] * 5])
+    ours, ours_vjp = jax.vjp(lambda q, k, v: attention_core(q, k, v, segment_ids, block_size),
+                             q, k, v)
+    ours = [ours, *ours_vjp(cot)]
+
+    def reference(q, k, v):
+        scores = jnp.einsum("bkgsd,bktd->bkgst", q, k)
+        scores = jnp.where(attention_mask(segment_ids), scores, -jnp.inf)
+        return jnp.einsum("bkgst,bktd->bkgsd", jax.nn.softmax(scores, axis=-1), v)
+
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, cot)]
+        ref, ref_vjp = jax.vjp(reference, *wide[:3])
+        ref = [np.asarray(a) for a in (ref, *ref_vjp(wide[3]))]
+    for got, want in zip(ours, ref):
+        assert want.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_values_and_gradients_equal_float64_reference(dtype):
+    """rms_norm's custom backward (keeps x and the reciprocal RMS, recomputes x / rms) against
+    autodiff of scale * x / sqrt(mean(x^2) + eps) in float64. Tolerance: 1e-5 relative to each
+    output's largest entry in float32; 2e-2 in bfloat16 (inputs and outputs rounded to bf16)."""
+    from maxmoe.model.layers import rms_norm
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = (3 * jax.random.normal(keys[0], (2, 5, 16))).astype(dtype)
+    scale = 1 + jax.random.normal(keys[1], (16,))
+    g = jax.random.normal(keys[2], (2, 5, 16)).astype(dtype)
+    y, vjp = jax.vjp(lambda x, s: rms_norm(x, s, 1e-6), x, scale)
+    ours = [y, *vjp(g)]
+
+    def reference(x, s):
+        return s * x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, g)]
+        ref, ref_vjp = jax.vjp(reference, *wide[:2])
+        ref = [np.asarray(a) for a in (ref, *ref_vjp(wide[2]))]
+    assert ours[0].dtype == ours[1].dtype == dtype and ours[2].dtype == jnp.float32
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for got, want in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want,
+                                   atol=tol * np.abs(want).max(), rtol=0)
