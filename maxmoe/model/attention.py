@@ -73,6 +73,16 @@ def _block_bias(segment_ids, lo, hi, groups):
     return _merge(jnp.broadcast_to(bias, (bias.shape[0], 1, groups, *bias.shape[3:])))
 
 
+def _block_bias_t(segment_ids, lo, hi, groups):
+    """_block_bias transposed, [B, 1, hi, G*(hi - lo)], built in that layout (transposing the
+    other made XLA:CPU's exp fusion of the backward read it column-wise, 3.5x slower)."""
+    causal = jnp.arange(hi)[:, None] <= jnp.arange(lo, hi)[None, :]  # key j, query lo + i
+    same_doc = segment_ids[:, :hi, None] == segment_ids[:, None, lo:hi]
+    bias = jnp.where(causal[None] & same_doc, 0.0, MASKED)[:, :, None]  # [B, hi, 1, n]
+    b, n = bias.shape[0], hi - lo
+    return jnp.broadcast_to(bias, (b, hi, groups, n)).reshape(b, 1, hi, groups * n)
+
+
 def _attention_fwd(q, k, v, segment_ids, block_size):
     f32 = jnp.float32
     b, kv, groups = q.shape[:3]
@@ -102,7 +112,7 @@ def _attention_bwd(block_size, res, g):
     for lo, hi in query_blocks(q.shape[3], block_size):
         qb, gb = _merge(q[:, :, :, lo:hi]), _merge(g[:, :, :, lo:hi].astype(v.dtype))
         t = lambda a: _merge(a[:, :, :, lo:hi, None])[..., 0][:, :, None]  # noqa: E731
-        bias_t = jnp.swapaxes(_block_bias(segment_ids, lo, hi, groups), -1, -2)
+        bias_t = _block_bias_t(segment_ids, lo, hi, groups)
         pt = jnp.exp(dot("bktd,bkxd->bktx", k[:, :, :hi], qb) + bias_t - t(lse))  # P^T
         dst = pt * (dot("bktd,bkxd->bktx", v[:, :, :hi], gb) - t(row))  # dS^T [B, K, hi, G*n]
         dv = dv.at[:, :, :hi].add(dot("bktx,bkxd->bktd", pt.astype(v.dtype), gb))
