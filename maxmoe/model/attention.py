@@ -54,8 +54,9 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     (P^T = exp(K Q^T - lse)), so every backward matmul reads its operands in the layout
     XLA:CPU multiplies fastest, and the layer scan stacks no [B, H, S, T] tensor. That costs
     one more Q K^T product per block (7 attention matmuls instead of 6). Issue 8, CPU
-    reference shape, 4 layers of attention alone: 117 -> 107 ms per step against autodiff of
-    the same blocks, which kept the probabilities and transposed them for dV and dK.
+    reference shape (`maxmoe bench configs/bench/cpu_mixtral_tiny.yaml --profile`): XLA's
+    temporaries 0.203 -> 0.181 GiB and the layer scan's stacking 29 -> 26 ms a step against
+    autodiff of the same blocks, which kept the probabilities and transposed them.
     """
     return _attention_fwd(q, k, v, segment_ids, block_size)[0]
 
@@ -111,7 +112,7 @@ def _attention_bwd(block_size, res, g):
     dq, dk, dv = [], jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
     for lo, hi in query_blocks(q.shape[3], block_size):
         qb, gb = _merge(q[:, :, :, lo:hi]), _merge(g[:, :, :, lo:hi].astype(v.dtype))
-        t = lambda a: _merge(a[:, :, :, lo:hi, None])[..., 0][:, :, None]  # noqa: E731
+        t = lambda a: a[:, :, :, lo:hi].reshape(b, kv, 1, -1)  # noqa: E731  [B, K, G, n] rows
         bias_t = _block_bias_t(segment_ids, lo, hi, groups)
         pt = jnp.exp(dot("bktd,bkxd->bktx", k[:, :, :hi], qb) + bias_t - t(lse))  # P^T
         dst = pt * (dot("bktd,bkxd->bktx", v[:, :, :hi], gb) - t(row))  # dS^T [B, K, hi, G*n]
