@@ -94,8 +94,10 @@ def _attention_fwd(q, k, v, segment_ids, block_size):
         m = jnp.max(s, axis=-1, keepdims=True)  # every row keeps its diagonal: m is finite
         e = jnp.exp(s - m)
         z = jnp.sum(e, axis=-1, keepdims=True)
-        o = jnp.einsum("bkxt,bktd->bkxd", (e / z).astype(v.dtype), v[:, :, :hi])
-        outs.append(o.reshape(b, kv, groups, hi - lo, -1))
+        # normalise the [rows, Dv] output rather than the [rows, T] probabilities
+        o = jnp.einsum("bkxt,bktd->bkxd", e.astype(v.dtype), v[:, :, :hi],
+                       preferred_element_type=f32) / z
+        outs.append(o.astype(v.dtype).reshape(b, kv, groups, hi - lo, -1))
         lses.append((m + jnp.log(z)).reshape(b, kv, groups, hi - lo))
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else jnp.concatenate(lses, axis=3)  # [B, K, G, S]
