@@ -34,11 +34,6 @@ def query_blocks(s: int, block_size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, s)) for lo in range(0, s, size)]
 
 
-def _bias(segment_ids: jax.Array, lo: int, hi: int) -> jax.Array:
-    """[B, 1, 1, hi - lo, hi] float32: 0 where query lo+i may see key j, MASKED elsewhere."""
-    return jnp.where(attention_mask(segment_ids, lo, hi), 0.0, MASKED)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                    block_size: int = 0) -> jax.Array:
@@ -69,8 +64,9 @@ def _merge(t: jax.Array) -> jax.Array:
 
 
 def _block_bias(segment_ids, lo, hi, groups):
-    """_bias for the merged rows of queries lo:hi: [B, 1, G*(hi - lo), hi]."""
-    bias = _bias(segment_ids, lo, hi)  # [B, 1, 1, n, hi]
+    """[B, 1, G*(hi - lo), hi] float32 for the merged rows of queries lo:hi: 0 where the query
+    may see key j, MASKED elsewhere."""
+    bias = jnp.where(attention_mask(segment_ids, lo, hi), 0.0, MASKED)  # [B, 1, 1, n, hi]
     return _merge(jnp.broadcast_to(bias, (bias.shape[0], 1, groups, *bias.shape[3:])))
 
 
