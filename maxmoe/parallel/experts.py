@@ -37,7 +37,9 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     y[t] = sum over slots j with token[j] = t of row_weight[j] * expert_e(x[t]) for every
     slot of blocks bounds[e]:bounds[e+1] (expert e), expert_e(v) = (silu(v @ Wg[e]) *
     (v @ Wu[e])) @ Wd[e]. Blocks from bounds[-1] on are never visited.
-    x [T, D]; token [N, bs] int (an empty slot: any token with row_weight 0); row_weight
+    x [..., D], read as its T flattened rows (the caller's [B, S, D] array itself, so that the
+    layer scan does not stack a reshaped copy of the router's input a second time as this
+    kernel's residual); token [N, bs] int (an empty slot: any token with row_weight 0); row_weight
     [N, bs] float32; w_gate, w_up [E, D, F]; w_down [E, F, D]; bounds [E + 1] int,
     non-decreasing, bounds[0] = 0. Returns y [T, D] float32 (the K contributions per token
     summed in float32).
@@ -63,6 +65,8 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
 def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
     x, token, row_weight, w_gate, w_up, w_down, bounds = (
         jnp.asarray(a) for a in (x, token, row_weight, w_gate, w_up, w_down, bounds))
+    res = (x, token, row_weight, w_gate, w_up, w_down, bounds)
+    x = x.reshape(-1, x.shape[-1])
     f = w_down.shape[1]
 
     def expert(e, carry):
@@ -77,12 +81,12 @@ def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
         return _over_blocks(bounds[e], bounds[e + 1], block, carry)
     y = jax.lax.fori_loop(0, w_down.shape[0], expert,
                           jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32))
-    return y, (x, token, row_weight, w_gate, w_up, w_down, bounds)
+    return y, res
 
 
 def _block_expert_mlp_bwd(res, gy):
     x, token, row_weight, w_gate, w_up, w_down, bounds = res
-    gy = jnp.asarray(gy)
+    shape, x, gy = x.shape, x.reshape(-1, x.shape[-1]), jnp.asarray(gy)
     f = w_down.shape[1]
 
     def expert(e, carry):
@@ -118,7 +122,8 @@ def _block_expert_mlp_bwd(res, gy):
     dx, drw, dwg, dwu, dwd = jax.lax.fori_loop(0, w_down.shape[0], expert, (
         jnp.zeros(x.shape, jnp.float32), jnp.zeros(row_weight.shape, jnp.float32),
         jnp.zeros_like(w_gate), jnp.zeros_like(w_up), jnp.zeros_like(w_down)))
-    return (dx.astype(x.dtype), None, drw.astype(row_weight.dtype), dwg, dwu, dwd, None)
+    return (dx.astype(x.dtype).reshape(shape), None, drw.astype(row_weight.dtype), dwg, dwu,
+            dwd, None)
 
 
 block_expert_mlp.defvjp(_block_expert_mlp_fwd, _block_expert_mlp_bwd)
@@ -147,8 +152,9 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
                    grouped_matmul: str = "ragged_dot", block_size: int = 0):
     """Runs experts [first_expert, first_expert + El) on the tokens routed to them.
 
-    x [T, D]; expert_idx, weights [T, K] (global expert ids); w_gate, w_up [El, D, F];
-    w_down [El, F, D]. Returns [T, D] float32: the weighted sum over this shard's experts.
+    x [..., D] (T rows once flattened); expert_idx, weights [T, K] (global expert ids);
+    w_gate, w_up [El, D, F]; w_down [El, F, D]. Returns [T, D] float32: the weighted sum over
+    this shard's experts.
     grouped_matmul: "ragged_dot" (lax.ragged_dot over rows sorted by expert) or "blocked"
     (rows sorted by expert, each expert padded to whole blocks of block_size rows, then
     `block_expert_mlp`, a loop over the blocks in use: the fast form on XLA:CPU).
@@ -163,6 +169,7 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     if grouped_matmul == "ragged_dot":
         with scope("dispatch"):
+            x = x.reshape(-1, x.shape[-1])
             token = order // k
             xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
         with scope("grouped_matmul"):
@@ -264,7 +271,8 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
         if cfg.dispatch == "capacity":
             y, dropped = capacity_dispatch(xf, idx, w, w_gate, w_up, w_down, cfg)
         else:
-            y, dropped = dropless_local(xf, idx, w, w_gate, w_up, w_down, 0, **_matmul(cfg)), 0
+            # x itself, not xf: the same array as the router's input, one residual for both
+            y, dropped = dropless_local(x, idx, w, w_gate, w_up, w_down, 0, **_matmul(cfg)), 0
         return y.astype(x.dtype).reshape(b, s, d), jnp.asarray(dropped, jnp.float32) / total
 
     batch, ep, tp = mesh_axes("batch"), mesh_axes("experts"), mesh_axes("expert_mlp")
