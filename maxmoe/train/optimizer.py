@@ -41,9 +41,12 @@ def clip_by_scheduled_global_norm(schedule: optax.Schedule) -> optax.GradientTra
         del params
         norm = optax.global_norm(updates)
         max_norm = jnp.asarray(schedule(state.count), norm.dtype)
-        # same arithmetic as optax.clip_by_global_norm
-        updates = jax.tree.map(
-            lambda t: jnp.where(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm), updates)
+        # optax.clip_by_global_norm's result to within an ulp, as one scalar factor: a
+        # per-element divide is "expensive" to XLA, so the clipped gradient was written out
+        # as its own pass over every gradient (XLA:CPU has no multi-output fusion); a multiply
+        # by a scalar is folded into the moment updates that read it (issue 8)
+        scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        updates = jax.tree.map(lambda t: t * scale.astype(t.dtype), updates)
         return updates, ClipState(optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init, update)
