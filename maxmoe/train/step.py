@@ -129,14 +129,19 @@ def per_layer(metrics: dict, cfg: Config) -> jax.Array | None:
     return jnp.concatenate(parts)
 
 
-def update_ratios(updates, params) -> jax.Array:
-    """[L] |update| / |param| per decoder layer (stacked layer groups, in layer order)."""
+def update_ratios(new_params, params) -> jax.Array:
+    """[L] |new - old| / |old| per decoder layer (stacked layer groups, in layer order).
+
+    From the applied change rather than optax's update tree: the update then has one reader
+    (the new params) and XLA fuses it away instead of writing it out and reading it back for
+    these sums (XLA:CPU has no multi-output fusion; issue 8)."""
     ratios = []
     for group in sorted(params["layer_groups"]):
-        def sq(tree):
+        def sq(leaves):
             return sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
-                       for x in jax.tree.leaves(tree))
-        u, p = sq(updates["layer_groups"][group]), sq(params["layer_groups"][group])
+                       for x in leaves)
+        new, old = (jax.tree.leaves(t["layer_groups"][group]) for t in (new_params, params))
+        u, p = sq(n.astype(jnp.float32) - o.astype(jnp.float32) for n, o in zip(new, old)), sq(old)
         ratios.append(jnp.sqrt(u / jnp.maximum(p, 1e-30)))
     return jnp.concatenate(ratios)
 
@@ -204,8 +209,8 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         def update(_):
             with jax.named_scope("optimizer"):
                 updates, new_opt_state = optimizer.update(grads, opt_state, params)
-                return (optax.apply_updates(params, updates), new_opt_state,
-                        update_ratios(updates, params))
+                new_params = optax.apply_updates(params, updates)
+                return new_params, new_opt_state, update_ratios(new_params, params)
 
         def keep(_):
             ratios = jax.eval_shape(update, None)[2]
