@@ -60,6 +60,29 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: AttentionConfig) -> jax.
     xf = x.astype(jnp.float32)
     if cfg.rope_interleave:
         xf = jnp.concatenate([xf[..., 0::2], xf[..., 1::2]], axis=-1)
+    return rotate_halves(xf, cos, sin).astype(x.dtype)
+
+
+@jax.custom_vjp
+def rotate_halves(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """[x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin] over the last axis (halves x1, x2).
+
+    A rotation, so its backward is the rotation by the opposite angle (sin negated), one fused
+    pass. Autodiff of the slices and the concatenation instead padded each half of the
+    gradient back to full width and added the two: three passes over q and k per layer in the
+    backward (issue 8). cos and sin come from integer positions: no gradient."""
     half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _rotate_fwd(x, cos, sin):
+    return rotate_halves(x, cos, sin), (cos, sin)
+
+
+def _rotate_bwd(res, g):
+    cos, sin = res
+    return rotate_halves(g, cos, -sin), None, None
+
+
+rotate_halves.defvjp(_rotate_fwd, _rotate_bwd)

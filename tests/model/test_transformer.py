@@ -210,3 +210,41 @@ def test_rms_norm_values_and_gradients_equal_float64_reference(dtype):
     for got, want in zip(ours, ref):
         np.testing.assert_allclose(np.asarray(got, np.float64), want,
                                    atol=tol * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_rope_values_and_gradients_equal_float64_reference(interleave):
+    """apply_rope (rotate_halves' backward is the rotation by -angle) against autodiff of the
+    written-out rotation in float64: x1 cos - x2 sin, x2 cos + x1 sin over the halves (after
+    de-interleaving pairs when asked), YaRN-scaled frequencies. atol 1e-5 (entries up to ~4)."""
+    from maxmoe.config import AttentionConfig
+    from maxmoe.model.rope import apply_rope, rope_frequencies
+
+    cfg = AttentionConfig(rope_interleave=interleave, rope_scaling="yarn", rope_factor=4.0,
+                          rope_original_max_positions=8)
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (2, 7, 3, 8))
+    g = jax.random.normal(keys[1], (2, 7, 3, 8))
+    positions = jnp.asarray([list(range(7)), [0, 1, 2, 0, 1, 2, 3]])
+    y, vjp = jax.vjp(lambda x: apply_rope(x, positions, cfg), x)
+    ours = [y, vjp(g)[0]]
+    inv_freq, scale = rope_frequencies(cfg, 8)
+
+    def reference(x):
+        angles = positions[..., None, None] * inv_freq  # [B, S, 1, R/2]
+        cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+        if interleave:
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        x1, x2 = x[..., :4], x[..., 4:]
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    with jax.enable_x64(True):
+        wide = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, g)]
+        positions = jnp.asarray(np.asarray(positions, np.float64))
+        inv_freq = np.asarray(inv_freq, np.float64)
+        ref, ref_vjp = jax.vjp(reference, wide[0])
+        ref = [np.asarray(a) for a in (ref, ref_vjp(wide[1])[0])]
+    assert scale != 1.0
+    for got, want in zip(ours, ref):
+        assert want.dtype == np.float64
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
