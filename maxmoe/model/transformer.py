@@ -279,5 +279,8 @@ lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
 
 @jax.named_scope("loss")
 def _cross_entropy(logits, targets, mask):
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    # on [tokens, vocab]: XLA:CPU's loop fusions index a 3-D [B, S, V] array with a broadcast
+    # [B, S] row statistic markedly slower (the softmax exp: 4.7 vs 2.7 ms for 2048 x 4096)
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return jnp.sum(ce * mask.reshape(-1)) / jnp.maximum(jnp.sum(mask), 1.0)
