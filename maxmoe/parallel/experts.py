@@ -165,7 +165,7 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     with scope("dispatch"):
         local = expert_idx.reshape(-1) - first_expert  # [T*K]
         key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others last
-        order = jnp.argsort(key, stable=True)
+        order = _stable_argsort(key, num_local + 1)
         sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
     if grouped_matmul == "ragged_dot":
         with scope("dispatch"):
@@ -201,6 +201,17 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), padded_end // block_size])
     with scope("grouped_matmul"):  # gathers, weights and scatters block by block itself
         return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds)
+
+
+def _stable_argsort(key, num_keys: int):
+    """jnp.argsort(key, stable=True) for int keys in [0, num_keys): one sort of the single
+    int32 key * n + index, which XLA:CPU runs ~4x faster than argsort's (key, index) pair
+    sort with its comparator (0.15 vs 0.58 ms for 4096 keys; 2 ms a step at the issue-8
+    reference shape). Falls back to argsort where key * n + index would overflow int32."""
+    n = key.shape[0]
+    if num_keys * n >= 2 ** 31:
+        return jnp.argsort(key, stable=True)
+    return jnp.sort(key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)) % n
 
 
 def capacity_slots(expert_idx, weights, num_experts: int, capacity: int, drop_policy: str):

@@ -159,3 +159,13 @@ def test_block_expert_mlp_values_and_gradients_equal_float64_reference():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert not np.any(np.asarray(grads[1])[used:])  # unused blocks: no weight gradient
     assert not np.any(np.asarray(grads[2])[1]) and not np.any(np.asarray(grads[4])[1])
+
+
+@pytest.mark.parametrize("num_keys", [9, 2 ** 30])  # the second overflows int32: argsort path
+def test_stable_argsort_equals_numpy_stable_argsort(num_keys):
+    """The dispatch's single-key sort gives NumPy's stable argsort (ties in index order)."""
+    from maxmoe.parallel.experts import _stable_argsort
+
+    key = np.random.default_rng(0).integers(0, 9, 4099).astype(np.int32)  # many ties
+    got = np.asarray(jax.jit(_stable_argsort, static_argnums=1)(jnp.asarray(key), num_keys))
+    np.testing.assert_array_equal(got, np.argsort(key, kind="stable"))
