@@ -49,8 +49,9 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     rows, 2-D matmuls and a scatter-add of their weighted output rows: each expert's weights
     are sliced once and gate | up joined into one matmul, its weight gradients added in place
     into float32 [E, ...] accumulators (a per-expert accumulator, zero fill and copy-out cost
-    ~5 ms a step at the issue-8 reference shape). Gathering, weighting and scattering inside the loop (rather than before and
-    after it) means no [N * bs, D] copy of the inputs or the outputs is made, and the backward
+    ~5 ms a step at the issue-8 reference shape). Gathering, weighting and scattering inside
+    the loop (rather than before and after it) means no [N * bs, D] copy of the inputs or the
+    outputs is made, and the backward
     recomputes each block's gate/up matmul rather than keeping it, so the layer scan stacks no
     activation of this kernel: its residuals are its inputs (x, the params, the slots). The
     router weight's gradient is rowsum(dL/d(weighted h) * h). Issue 8, CPU reference shape:
