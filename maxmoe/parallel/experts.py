@@ -51,15 +51,16 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     into float32 [E, ...] accumulators (a per-expert accumulator, zero fill and copy-out cost
     ~5 ms a step at the issue-8 reference shape). Gathering, weighting and scattering inside
     the loop (rather than before and after it) means no [N * bs, D] copy of the inputs or the
-    outputs is made, and the backward
-    recomputes each block's gate/up matmul rather than keeping it, so the layer scan stacks no
-    activation of this kernel: its residuals are its inputs (x, the params, the slots). The
-    router weight's gradient is rowsum(dL/d(weighted h) * h). Issue 8, CPU reference shape:
-    folding dispatch and combine in took the step from 355 to 341 ms; recomputing gate/up
-    instead of keeping it changed the step by less than the noise (335.8 vs 336.4 ms) and cut
-    XLA's temporaries 0.258 -> 0.219 GiB. On XLA:CPU a batched matmul over per-block gathered
-    weights took 1.6x the CPU time of this loop and ragged_dot runs at 0.10x a dense matmul,
-    this kernel at 0.81x (forward+backward, tools/bench_grouped_matmul.py --tokens 2048).
+    outputs is made, and the backward recomputes each block's gate/up matmul rather than
+    keeping it, so the layer scan stacks no activation of this kernel: its residuals are its
+    inputs (x, the params, the slots). The router weight's gradient is
+    rowsum(dL/d(weighted h) * h). Issue 8, CPU reference shape: folding dispatch and combine
+    in took the step from 355 to 341 ms; recomputing gate/up instead of keeping it cut XLA's
+    temporaries 0.258 -> 0.219 GiB and is faster (keeping it: 3 of 3 paired runs 2-3% slower,
+    the layer scan stacks and zero-fills the kept [rows, 2F] per layer). On XLA:CPU a batched
+    matmul over per-block gathered weights took 1.6x the CPU time of this loop and ragged_dot
+    runs at 0.10x a dense matmul, this kernel at 0.81x (forward+backward,
+    tools/bench_grouped_matmul.py --tokens 2048).
     """
     return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds)[0]
 
