@@ -68,15 +68,14 @@ def test_step_update_ratio_and_param_norm_equal_float64_numpy():
     from maxmoe.sharding import make_mesh
     from maxmoe.train.loop import global_batch
     from maxmoe.train.step import make_trainer
-    from tests.helpers import small_config
-    from tests.train.test_precision import learnable_batch
+    from tests.helpers import random_batch, small_config
 
     cfg, origins = small_config("model.remat_policy=none")
     trainer = make_trainer(cfg, make_mesh(validate(cfg, 1, origins), jax.devices()[:1]))
     state = trainer.init()
     for step in range(2):  # the learning rate warms up from 0: the first step changes nothing
         before = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(state["params"]))
-        state, metrics = trainer.step(state, global_batch(learnable_batch(cfg, step),
+        state, metrics = trainer.step(state, global_batch(random_batch(cfg, step),
                                                           trainer.batch_sharding))
     after = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(state["params"]))
     assert int(metrics["skipped"]) == 0
