@@ -52,11 +52,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: AttentionConfig) -> jax.
 
     Interleaved weights rotate pairs (2i, 2i+1); we de-interleave to (evens, odds) and rotate
     halves. The output stays de-interleaved: q and k get the same permutation, so q.k is unchanged.
+
+    cos and sin come from a [S, R/2] table of positions 0..S-1, looked up by position (packed
+    rows restart positions at each document, so they stay below S; one outside [0, S) gives
+    NaN, never a silently wrong angle). cos(position * frequency) computed per token instead
+    was fused by XLA into every q/k rotation once the layers are unrolled: 4 layers x forward
+    and backward re-evaluated it per element (issue 8: attention core 81 -> 58 ms a step at
+    the reference shape with model.scan_layers=false; the scan hoists either form).
     """
     inv_freq, scale = rope_frequencies(cfg, x.shape[-1])
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, S, R/2]
-    cos = (jnp.cos(angles) * scale)[:, :, None, :]
-    sin = (jnp.sin(angles) * scale)[:, :, None, :]
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)
+    table = jnp.stack([jnp.cos(angles), jnp.sin(angles)]) * scale  # [2, S, R/2]
+    cos, sin = jnp.take(table, positions, axis=1, mode="fill", fill_value=jnp.nan)[..., None, :]
     xf = x.astype(jnp.float32)
     if cfg.rope_interleave:
         xf = jnp.concatenate([xf[..., 0::2], xf[..., 1::2]], axis=-1)

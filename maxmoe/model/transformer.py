@@ -84,10 +84,14 @@ def run_layers(graphdef, state, x, segment_ids, positions, *, scan: bool, remat:
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
     if scan:
         return jax.lax.scan(body, x, state)
-    n = jax.tree.leaves(state)[0].shape[0]
+    # unrolled: one split per stacked leaf, whose transpose concatenates the layers' gradients
+    # once (indexing a[i] transposes to a zero-padded full stack per layer, summed: issue 8)
+    leaves, treedef = jax.tree.flatten(state)
+    n = leaves[0].shape[0]
+    parts = [[p.reshape(a.shape[1:]) for p in jax.lax.split(a, [1] * n)] for a in leaves]
     auxs = []
     for i in range(n):
-        x, aux = body(x, jax.tree.map(lambda a: a[i], state))
+        x, aux = body(x, jax.tree.unflatten(treedef, [p[i] for p in parts]))
         auxs.append(aux)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxs)
 

@@ -248,3 +248,17 @@ def test_rope_values_and_gradients_equal_float64_reference(interleave):
     for got, want in zip(ours, ref):
         assert want.dtype == np.float64
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_rope_position_outside_the_sequence_gives_nan_not_a_wrong_angle():
+    """apply_rope looks cos/sin up in a table of positions 0..S-1: a position outside it must
+    poison its own row (NaN) and leave the others exact, never clamp to the last angle."""
+    from maxmoe.config import AttentionConfig
+    from maxmoe.model.rope import apply_rope
+
+    cfg = AttentionConfig()
+    x = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
+    good = apply_rope(x, jnp.asarray([[0, 1, 2, 3]]), cfg)
+    bad = apply_rope(x, jnp.asarray([[0, 1, 4, 3]]), cfg)
+    assert np.isnan(np.asarray(bad[0, 2])).all()
+    np.testing.assert_array_equal(np.asarray(bad[0, [0, 1, 3]]), np.asarray(good[0, [0, 1, 3]]))
