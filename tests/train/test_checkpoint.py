@@ -181,3 +181,25 @@ def test_keeps_latest_and_best_by_eval_loss(tmp_path):
         assert ckpt.all_steps() == [2, 5, 6]  # best (2) + the 2 newest, even without a metric
     with Checkpointer(tmp_path, cfg) as ckpt:
         assert ckpt.resume(abstract_like(state)).step == 6
+
+
+def test_single_process_save_writes_replicated_shards_whole(tmp_path, monkeypatch):
+    """With every replica in one process, a save cuts no replica-parallel slices (Orbax's
+    default issues one eager, freshly compiled lax.slice_in_dim per replica: seconds on the
+    first save) and still restores exactly."""
+    state = make_state(mesh((2, 4)))  # bias, mu and step are replicated over some axes
+    values = jax.tree.map(np.asarray, state)
+    slices, real_slice = [], jax.lax.slice_in_dim
+
+    def counted_slice(*args, **kwargs):
+        slices.append(args)
+        return real_slice(*args, **kwargs)
+    monkeypatch.setattr(jax.lax, "slice_in_dim", counted_slice)
+    ckpt = Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=10))
+    assert ckpt.save(10, state)
+    ckpt.wait()
+    assert slices == []
+    restored, step = ckpt.restore(abstract_like(state))
+    assert step == 10
+    assert_same(restored, values)
+    ckpt.close()
