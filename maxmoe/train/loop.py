@@ -39,7 +39,7 @@ from maxmoe.parallel.pipeline import describe as describe_pipeline
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
-from maxmoe.train.step import make_trainer
+from maxmoe.train.step import DIAGNOSTICS, make_trainer, writes_metrics
 
 
 def global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
@@ -273,13 +273,15 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
             timing.reset()
         else:
             window["steps"] += 1
-        if not (done % cfg.logging.every_steps == 0 or last or eval_metrics):
+        if not (writes_metrics(done, cfg) or last):
             return
         steps = window["steps"]
         elapsed = time.perf_counter() - window["start"] - eval_s
         tps = tokens_per_step * steps / elapsed if steps else 0.0
         window["start"], window["steps"] = time.perf_counter(), 0
-        rec = {k: v for k, v in host.items() if np.ndim(v) == 0}
+        # a step cut short by SIGTERM has no DIAGNOSTICS (NaN): left out, not written as NaN
+        rec = {k: v for k, v in host.items()
+               if np.ndim(v) == 0 and not (k in DIAGNOSTICS and np.isnan(v))}
         rec.setdefault("activation_rms_max",  # all layers, from the step (guards)
                        float(np.max(host.get("activation_rms", 0.0))))
         rec.update(tokens_per_second=tps, mfu=tps / tokens_per_step * model_flops / peak,

@@ -64,19 +64,24 @@ def test_invalid_settings_name_their_key(override, key):
 def test_step_update_ratio_and_param_norm_equal_float64_numpy():
     """The step's update_ratio metric is |new - old| / |old| of each decoder layer's params
     and param_norm the global norm of the new params. Reference: float64 NumPy from the
-    params copied out before and after a step of the small MoE; rtol 1e-5 (float32 sums)."""
+    params copied out before and after a step of the small MoE; rtol 1e-5 (float32 sums).
+    Both are computed only on steps whose metrics the loop writes: NaN on step 1 of 2 with
+    logging.every_steps=2."""
     from maxmoe.sharding import make_mesh
     from maxmoe.train.loop import global_batch
     from maxmoe.train.step import make_trainer
     from tests.helpers import random_batch, small_config
 
-    cfg, origins = small_config("model.remat_policy=none")
+    cfg, origins = small_config("model.remat_policy=none", "logging.every_steps=2")
     trainer = make_trainer(cfg, make_mesh(validate(cfg, 1, origins), jax.devices()[:1]))
     state = trainer.init()
     for step in range(2):  # the learning rate warms up from 0: the first step changes nothing
         before = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(state["params"]))
         state, metrics = trainer.step(state, global_batch(random_batch(cfg, step),
                                                           trainer.batch_sharding))
+        if step == 0:  # not a logged step
+            assert np.isnan(float(metrics["param_norm"]))
+            assert np.isnan(np.asarray(metrics["update_ratio"])).all()
     after = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(state["params"]))
     assert int(metrics["skipped"]) == 0
     want = []
