@@ -24,8 +24,9 @@ measure the step alone, not the data pipeline. Example:
   maxmoe bench configs/tiny.yaml moe.dispatch=capacity mesh.expert=4 mesh.fsdp=1
   maxmoe bench configs/tiny.yaml --sweep model.remat_policy=none,full,dots,save_named,offload_named
 
---sweep KEY=V1,V2,... benchmarks each value back to back in one process (same load on a
-shared machine) and prints one table: step time (and its ratio to the first value) and the
+--sweep KEY=V1,V2,... compiles every value, then times them in turns (one step of each per
+round, so a shared machine's load changes fall on all alike) and prints one table: median step
+time, its ratio to the first value (median over rounds of the two steps' ratio), MFU and the
 compiled memory per device: arguments, outputs, temporaries, peak, and host-memory bytes."""
 
 
@@ -76,6 +77,21 @@ def memory_analysis(compiled) -> dict[str, int]:
 
 
 def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int, profile_dir: str = "") -> dict:
+    """The figures of one config (see module docstring); profile_dir adds a traced breakdown."""
+    return benchmark_interleaved([(cfg, mesh_sizes)], steps=steps, warmup=warmup,
+                                 profile_dir=profile_dir)[0]
+
+
+def benchmark_interleaved(variants, *, steps: int, warmup: int,
+                          profile_dir: str = "") -> list[dict]:
+    """benchmark() of several (cfg, mesh_sizes) at once: all are compiled first, then timed in
+    turns, one step of each per round, each variant first in turn. A shared machine's load
+    changes (which moved a 10-step median by 10-20% between back-to-back runs, issue 8) so fall
+    on every variant alike. Variants whose train state has the same shapes, dtypes and
+    shardings share one state (each step takes the state the previous one returned), so a
+    sweep holds one model in memory (`shared_state`: this variant took an earlier one's);
+    the others keep their own. Each result adds `paired_ratio`, the median over rounds of its
+    step time over the first variant's in the same round, and `step_times_s` in order."""
     import jax
 
     from maxmoe.validation import dcn_sizes
@@ -84,41 +100,66 @@ def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int, profile_dir: str = ""
     from maxmoe.train.loop import global_batch
     from maxmoe.train.step import make_trainer
 
-    trainer = make_trainer(cfg, make_mesh(mesh_sizes, dcn=dcn_sizes(cfg)))
-    state = trainer.init()
-    batch = global_batch(synthetic_batch(cfg), trainer.batch_sharding)
-    t = time.perf_counter()
-    with use_mesh(trainer.mesh, trainer.rules):
-        compiled = trainer.jitted_step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t
-    memory = memory_analysis(compiled)
-    with use_mesh(trainer.mesh, trainer.rules):
-        for _ in range(warmup):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times = []
-        for _ in range(steps):
+    runs, shared = [], {}
+    for cfg, sizes in variants:
+        trainer = make_trainer(cfg, make_mesh(sizes, dcn=dcn_sizes(cfg)))
+        abstract = trainer.abstract_state  # shapes, dtypes and shardings
+        key = jax.tree.structure(abstract), tuple(jax.tree.leaves(abstract))
+        reuse = key in shared
+        if not reuse:
+            shared[key] = {"state": trainer.init()}
+        batch = global_batch(synthetic_batch(cfg), trainer.batch_sharding)
+        t = time.perf_counter()
+        with use_mesh(trainer.mesh, trainer.rules):
+            compiled = trainer.jitted_step.lower(shared[key]["state"], batch).compile()
+        runs.append(dict(cfg=cfg, sizes=sizes, trainer=trainer, compiled=compiled, batch=batch,
+                         holder=shared[key], compile_s=time.perf_counter() - t,
+                         memory=memory_analysis(compiled), times=[], reuse=reuse))
+
+    def step(run):
+        with use_mesh(run["trainer"].mesh, run["trainer"].rules):
+            holder = run["holder"]
+            holder["state"], run["metrics"] = run["compiled"](holder["state"], run["batch"])
+            jax.block_until_ready(run["metrics"])
+
+    for _ in range(warmup):
+        for run in runs:
+            step(run)
+    for i in range(steps):
+        for run in runs[i % len(runs):] + runs[:i % len(runs)]:  # each goes first in turn
             t = time.perf_counter()
-            state, metrics = compiled(state, batch)
-            jax.block_until_ready(metrics)
-            times.append(time.perf_counter() - t)
-        breakdown = None
-        if profile_dir:
-            breakdown = profile_steps(compiled, state, batch, profile_dir)
-    step_time = float(np.median(times))
-    tokens = cfg.data.global_batch_size * cfg.data.seq_len
-    model_flops = flops_per_token(cfg) * tokens
-    peak, peak_source = peak_flops(cfg)
-    return {
-        "tokens_per_second": tokens / step_time, "step_time_s": step_time,
-        "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),
-        "model_flops_per_step": model_flops, "mfu": model_flops / step_time / peak,
-        "peak_flops": peak, "peak_source": peak_source, "compile_time_s": compile_s,
-        "devices": jax.device_count(), "mesh": {k: v for k, v in mesh_sizes.items() if v > 1},
-        "loss": float(metrics["loss"]),
-        "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **memory,
-        **({"profile": breakdown} if breakdown is not None else {}),
-    }
+            step(run)
+            run["times"].append(time.perf_counter() - t)
+    breakdown = None
+    if profile_dir:
+        run = runs[0]
+        with use_mesh(run["trainer"].mesh, run["trainer"].rules):
+            breakdown = profile_steps(run["compiled"], run["holder"]["state"], run["batch"],
+                                      profile_dir)
+    peaks = {}  # measured after the steps (same host, same load), once per compute dtype
+    base = np.asarray(runs[0]["times"])
+    results = []
+    for run in runs:
+        cfg, times, metrics = run["cfg"], np.asarray(run["times"]), run["metrics"]
+        step_time = float(np.median(times))
+        tokens = cfg.data.global_batch_size * cfg.data.seq_len
+        model_flops = flops_per_token(cfg) * tokens
+        dtype = cfg.precision.compute_dtype  # a bfloat16 run against a bfloat16 matmul
+        peak, peak_source = peaks[dtype] = peaks.get(dtype) or peak_flops(cfg)
+        results.append({
+            "tokens_per_second": tokens / step_time, "step_time_s": step_time,
+            "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),
+            "paired_ratio": float(np.median(times / base)), "step_times_s": times.tolist(),
+            "shared_state": run["reuse"],
+            "model_flops_per_step": model_flops, "mfu": model_flops / step_time / peak,
+            "peak_flops": peak, "peak_source": peak_source, "compile_time_s": run["compile_s"],
+            "devices": jax.device_count(),
+            "mesh": {k: v for k, v in run["sizes"].items() if v > 1},
+            "loss": float(metrics["loss"]),
+            "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **run["memory"],
+            **({"profile": breakdown} if breakdown is not None and run is runs[0] else {}),
+        })
+    return results
 
 
 PROFILE_STEPS = 3
@@ -143,16 +184,16 @@ def profile_steps(compiled, state, batch, directory: str) -> dict[str, list[dict
 
 
 def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
-    """One line per swept value: step time, ratio to the first, memory per device in MiB."""
+    """One line per swept value: median step time, its paired ratio to the first value (median
+    over rounds, see benchmark_interleaved), MFU, memory per device in MiB."""
     mib = 2.0 ** 20
-    base = rows[0][1]["step_time_s"]
-    lines = [f"{key:<20} {'step ms':>9} {'ratio':>6} {'args MiB':>9} {'out MiB':>9} "
+    lines = [f"{key:<20} {'step ms':>9} {'ratio':>6} {'MFU':>6} {'args MiB':>9} {'out MiB':>9} "
              f"{'temp MiB':>9} {'peak MiB':>9} {'host MiB':>9}"]
     for value, r in rows:
         host = r.get("host_argument_bytes", 0) + r.get("host_output_bytes", 0) + r.get(
             "host_temp_bytes", 0)
-        ms, ratio = 1e3 * r["step_time_s"], r["step_time_s"] / base
-        lines.append(f"{value:<20} {ms:>9.1f} {ratio:>6.2f} "
+        ms, ratio = 1e3 * r["step_time_s"], r["paired_ratio"]
+        lines.append(f"{value:<20} {ms:>9.1f} {ratio:>6.3f} {100 * r['mfu']:>5.1f}% "
                      + " ".join(f"{r.get(k, 0) / mib:>9.2f}" for k in (
                          "argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"))
                      + f" {host / mib:>9.2f}")
@@ -167,11 +208,10 @@ def run_sweep(args) -> int:
         print("maxmoe: error: --sweep expects KEY=V1,V2,... e.g. model.remat_policy=none,full",
               file=sys.stderr)
         return 2
-    rows = []
-    for value in values.split(","):
-        cfg, sizes = prepare([*args.items, f"{key}={value}"])
-        rows.append((value, benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup)))
-        print(f"{key}={value}: {1e3 * rows[-1][1]['step_time_s']:.1f} ms/step", file=sys.stderr)
+    values = values.split(",")
+    variants = [prepare([*args.items, f"{key}={value}"]) for value in values]  # all checked first
+    results = benchmark_interleaved(variants, steps=args.steps, warmup=args.warmup)
+    rows = list(zip(values, results))
     print(sweep_table(key, rows), file=sys.stderr)
     print(json.dumps({value: r for value, r in rows}))
     return 0

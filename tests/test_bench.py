@@ -3,6 +3,7 @@ step to the named model parts (metrics/profile.py)."""
 
 import json
 
+import numpy as np
 import pytest
 
 from maxmoe.bench import benchmark
@@ -82,3 +83,23 @@ def test_bench_figures_and_profile_breakdown(tmp_path):
     assert 0.5 * r["step_time_s"] * 1e3 < traced < 2.0 * r["step_time_s"] * 1e3
     assert all(row["matmul_ms"] <= row["total_ms"] + 1e-9 for row in parts.values())
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))
+
+
+def test_interleaved_variants_take_turns_and_share_a_state_of_the_same_layout():
+    """A remat sweep keeps one train state (the layouts match); more experts need their own.
+    The paired ratio is the median of per-round ratios, 1 for the first variant."""
+    from maxmoe.bench import benchmark_interleaved
+
+    variants = []
+    for override in ("model.remat_policy=none", "model.remat_policy=full", "moe.num_experts=16"):
+        cfg, origins = small_config("model.num_layers=1", "model.num_dense_layers=0", override)
+        variants.append((cfg, validate(cfg, 8, origins)))
+    results = benchmark_interleaved(variants, steps=3, warmup=1)
+    assert [r["shared_state"] for r in results] == [False, True, False]
+    first = np.asarray(results[0]["step_times_s"])
+    assert results[0]["paired_ratio"] == 1.0
+    for r in results:
+        times = np.asarray(r["step_times_s"])
+        assert len(times) == 3 and r["step_time_s"] == pytest.approx(np.median(times))
+        assert r["paired_ratio"] == pytest.approx(np.median(times / first))
+        assert np.isfinite(r["loss"])
