@@ -208,6 +208,11 @@ def run_sweep(args) -> int:
         print("maxmoe: error: --sweep expects KEY=V1,V2,... e.g. model.remat_policy=none,full",
               file=sys.stderr)
         return 2
+    if args.profile:
+        print("maxmoe: error: --profile traces one config, --sweep times several; profile a "
+              f"value on its own, e.g. `maxmoe bench ... {key}={values.split(',')[0]} --profile "
+              f"{args.profile}`", file=sys.stderr)
+        return 2
     values = values.split(",")
     variants = [prepare([*args.items, f"{key}={value}"]) for value in values]  # all checked first
     results = benchmark_interleaved(variants, steps=args.steps, warmup=args.warmup)

@@ -88,3 +88,17 @@ def test_error_names_the_file(tmp_path, capsys):
 def test_bare_command_prints_usage():
     out = run_cli()
     assert out.returncode == 2 and "usage" in out.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--sweep", "mesh.expert=2,3"], "config key 'mesh.data' = 2 (from configs/tiny.yaml)"),
+    (["--sweep", "moe.dispatch=dropless,capacity", "--profile", "/tmp/trace"],
+     "--profile traces one config, --sweep times several"),
+    (["--sweep", "moe.dispatch"], "--sweep expects KEY=V1,V2,..."),
+])
+def test_bad_sweep_is_refused_before_anything_compiles(args, expected, capsys):
+    """Every swept value is checked first: the bad one (expert=3 on 8 devices) stops the sweep
+    with exit 2 and no value timed."""
+    assert main(["bench", "configs/tiny.yaml", *args]) == 2
+    captured = capsys.readouterr()
+    assert expected in captured.err and "step ms" not in captured.err and not captured.out
