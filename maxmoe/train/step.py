@@ -233,7 +233,8 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         # applied step pays nothing for the guard (a select over every leaf cost ~4% on CPU)
         def update(_):
             with jax.named_scope("optimizer"):
-                updates, new_opt_state = optimizer.update(grads, opt_state, params)
+                updates, new_opt_state = optimizer.update(grads, opt_state, params,
+                                                          grad_norm=grad_norm)
                 new_params = optax.apply_updates(params, updates)
                 return new_params, new_opt_state, when_logged(update_ratios, new_params, params)
 

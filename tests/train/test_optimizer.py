@@ -21,6 +21,25 @@ def test_constant_schedule_matches_optax_clip_by_global_norm():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def test_clip_takes_the_norm_the_step_passes_through_the_chain():
+    """The train step hands its gradient norm to the clip (optax extra args through the
+    chain): the clip then scales by that norm instead of computing its own."""
+    grads = {"g": jnp.full((4,), 10.0)}  # global norm 20
+    chained = optax.chain(clip_by_scheduled_global_norm(optax.constant_schedule(1.0)),
+                          optax.identity())
+    state = chained.init(grads)
+    own, _ = chained.update(grads, state)
+    given, _ = chained.update(grads, state, grad_norm=jnp.float32(20.0))
+    np.testing.assert_allclose(given["g"], own["g"], rtol=1e-6)
+    np.testing.assert_allclose(optax.global_norm(own), 1.0, rtol=1e-6)
+    told_40, _ = chained.update(grads, state, grad_norm=jnp.float32(40.0))
+    np.testing.assert_allclose(optax.global_norm(told_40), 0.5, rtol=1e-6)
+    # the full optimizer (clip + masked AdamW) accepts it too
+    adamw = make_optimizer(OptimizerConfig(), 10)
+    params = {"g": jnp.ones((4,))}
+    adamw.update(grads, adamw.init(params), params, grad_norm=jnp.float32(20.0))
+
+
 def test_clip_norm_decays_linearly_then_holds():
     cfg = OptimizerConfig(grad_clip_norm=1.0, grad_clip_end_norm=0.3, grad_clip_decay_steps=10)
     schedule = clip_norm_schedule(cfg, total_steps=100)
