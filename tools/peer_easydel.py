@@ -17,7 +17,9 @@ load-balancing loss + 0.001 x router z-loss (EasyDeL reads a z-loss coefficient 
 it to the Mixtral loss), grads of all params, clip_by_global_norm(1.0) + adamw, state donated.
 Timing follows `maxmoe bench`: compile once, 2 warm-up steps, then --steps steps each ended by
 block_until_ready; median/min/max step time, tokens/s, MFU against the best of 10 float32
-2048^2 matmuls. Prints a summary to stderr and one JSON line on stdout.
+2048^2 matmuls. The FLOPs formula and the peak are maxmoe's own (`flops_per_token` of
+configs/bench/cpu_mixtral_tiny.yaml, `measure_matmul_peak`), imported from this checkout.
+Prints a summary to stderr and one JSON line on stdout.
 
 Not like for like, in EasyDeL's favour or not: its fused_moe and standard_moe run
 lax.ragged_dot_general, which XLA:CPU computes for every expert on every routed row (8x the
@@ -69,15 +71,21 @@ from easydel import MixtralConfig, MixtralForCausalLM
 from easydel.infra.loss_utils import auxiliary_load_balancing_loss_func
 from ejkernel.types import MaskInfo
 
+# maxmoe's own FLOPs formula and peak measurement (pure JAX, importable from this venv too), so
+# both sides of the comparison use one of each
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from maxmoe.config import load_config  # noqa: E402
+from maxmoe.metrics.flops import flops_per_token, measure_matmul_peak  # noqa: E402
+
 # importing ejkernel points JAX's persistent compilation cache at ~/.cache/ejkernel-cache; maxmoe
 # uses none, so turn it off: compile_time_s is a cold compile on both sides
 jax.config.update("jax_enable_compilation_cache", False)
 
 BATCH, SEQ, DOCS, VOCAB = 8, 256, 4, 4096
 AUX_COEF, Z_COEF = 0.01, 0.001
-# maxmoe's `flops_per_token` (maxmoe/metrics/flops.py) x 2048 tokens for exactly this shape, as
-# `maxmoe bench configs/bench/cpu_mixtral_tiny.yaml` prints it: both sides use one formula.
-MODEL_FLOPS_PER_STEP = 5.1668582400e10
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "bench",
+                         "cpu_mixtral_tiny.yaml")  # the shape built below, as maxmoe reads it
+MODEL_FLOPS_PER_STEP = flops_per_token(load_config([REFERENCE])[0]) * BATCH * SEQ
 # --moe: EasyDeL's moe_method values, plus fused_moe with moe_force_xla_gmm=True (standard_moe
 # weights experts by top-2 raw logits / their sum, not softmax: not Mixtral's routing)
 MOE_OPTIONS = {"fused_moe": ("fused_moe", False), "fused_moe_xla": ("fused_moe", True),
@@ -138,19 +146,6 @@ def make_step(graphdef, tx, num_experts: int, top_k: int):
     return jax.jit(step, donate_argnums=0)
 
 
-def matmul_peak(size: int = 2048, repeats: int = 10) -> float:
-    """As maxmoe's measure_matmul_peak: best of 10 jitted float32 square matmuls after a warm-up."""
-    x = jnp.ones((size, size), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * size**3 / best
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -185,7 +180,7 @@ def main() -> None:
             state, metrics = compiled(state, rest, batch)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
-    peak = matmul_peak()
+    peak = measure_matmul_peak(jnp.float32)
 
     sane = all(map(math.isfinite, first.values())) and abs(first["ce"] - math.log(VOCAB)) < 1.0
     median = float(np.median(times))
