@@ -82,6 +82,15 @@ def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int, profile_dir: str = ""
                                  profile_dir=profile_dir)[0]
 
 
+def state_layout(trainer):
+    """What decides whether two variants can share a train state: its tree, and every leaf's
+    shape, dtype and sharding (hashable)."""
+    import jax
+
+    abstract = trainer.abstract_state
+    return jax.tree.structure(abstract), tuple(jax.tree.leaves(abstract))
+
+
 def benchmark_interleaved(variants, *, steps: int, warmup: int,
                           profile_dir: str = "") -> list[dict]:
     """benchmark() of several (cfg, mesh_sizes) at once: all are compiled first, then timed in
@@ -103,8 +112,7 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
     runs, shared = [], {}
     for cfg, sizes in variants:
         trainer = make_trainer(cfg, make_mesh(sizes, dcn=dcn_sizes(cfg)))
-        abstract = trainer.abstract_state  # shapes, dtypes and shardings
-        key = jax.tree.structure(abstract), tuple(jax.tree.leaves(abstract))
+        key = state_layout(trainer)
         reuse = key in shared
         if not reuse:
             shared[key] = {"state": trainer.init()}

@@ -34,10 +34,13 @@ def test_clip_takes_the_norm_the_step_passes_through_the_chain():
     np.testing.assert_allclose(optax.global_norm(own), 1.0, rtol=1e-6)
     told_40, _ = chained.update(grads, state, grad_norm=jnp.float32(40.0))
     np.testing.assert_allclose(optax.global_norm(told_40), 0.5, rtol=1e-6)
-    # the full optimizer (clip + masked AdamW) accepts it too
+    # the full optimizer (clip + masked AdamW) takes it too, and the true norm changes nothing
     adamw = make_optimizer(OptimizerConfig(), 10)
     params = {"g": jnp.ones((4,))}
-    adamw.update(grads, adamw.init(params), params, grad_norm=jnp.float32(20.0))
+    state = adamw.init(params)
+    told, _ = adamw.update(grads, state, params, grad_norm=jnp.float32(20.0))
+    itself, _ = adamw.update(grads, state, params)
+    np.testing.assert_allclose(told["g"], itself["g"], rtol=1e-6)
 
 
 def test_clip_norm_decays_linearly_then_holds():
