@@ -197,6 +197,9 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
          "microbatches must be >= 0 and repeats >= 1", "use e.g. 0 (= stages) and 2")
     stages = sizes["pipeline"]
     if stages > 1:
+        need(m.scan_layers, "model.scan_layers", f"mesh.pipeline={stages} splits stacked "
+             "layers into stages; scan_layers=false keeps each layer's params apart",
+             "set model.scan_layers=true (or mesh.pipeline=1)")
         repeats = m.pipeline_repeats if m.pipeline_schedule == "circular" else 1
         sizes_of_groups = [n for _, _, n in layer_groups(m)]
         need(any(n % (stages * repeats) == 0 for n in sizes_of_groups), "mesh.pipeline",

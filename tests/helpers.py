@@ -59,3 +59,12 @@ def loss_and_grads(cfg, origins, batch, num_devices: int):
         batch = jax.device_put(batch, named(("batch", "seq")))
         (loss, metrics), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch)
     return jax.device_get((loss, metrics, grads))
+
+
+def stacked(params):
+    """scan_layers=false keeps each layer's params apart (layer_groups/<g>/<layer>/...):
+    stacked here into the scanned layout (layer_groups/<g>/...[L]) to compare the two."""
+    groups = params["layer_groups"]
+    return dict(params, layer_groups={
+        g: jax.tree.map(lambda *a: np.stack(a), *[t[j] for j in sorted(t)])
+        if all(isinstance(j, int) for j in t) else t for g, t in groups.items()})

@@ -392,6 +392,13 @@ def test_pipeline_stages_must_divide_a_layer_group(base):
     check(msg, "mesh.pipeline", 2, CMD, "into 2 stages x 4 repeats", "model.pipeline_repeats")
 
 
+def test_pipeline_needs_stacked_layers(base):
+    msg = error(load_validate, [base], ["mesh.pipeline=2", "model.num_layers=5",
+                                        "model.scan_layers=false"])
+    check(msg, "model.scan_layers", False, CMD, "mesh.pipeline=2 splits stacked layers",
+          "set model.scan_layers=true")
+
+
 def test_pipeline_microbatches_must_split_the_batch(base):
     msg = error(load_validate, [base], ["mesh.pipeline=2", "model.num_layers=5",
                                         "model.pipeline_microbatches=3"])

@@ -99,7 +99,9 @@ def hub_tensors(cfg: Config, family: str) -> list[HubTensor]:
     groups = layer_groups(cfg.model)
     for g, (is_moe, first, count) in enumerate(groups):
         for j in range(count):
-            out += _block(f"model.layers.{first + j}", ("layer_groups", g), (j,), is_moe, cfg, family)
+            path, index = ((("layer_groups", g), (j,)) if cfg.model.scan_layers  # stacked
+                           else (("layer_groups", g, j), ()))  # per-layer params
+            out += _block(f"model.layers.{first + j}", path, index, is_moe, cfg, family)
     for k in range(cfg.model.mtp_depth):  # hub index: after the trunk (DeepSeek-V3: layer 61)
         prefix, path = f"model.layers.{cfg.model.num_layers + k}", ("mtp", k)
         out += [_copy(f"{prefix}.enorm.weight", path + ("embed_norm", "scale")),

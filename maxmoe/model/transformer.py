@@ -2,7 +2,8 @@
 
 Consecutive layers of the same kind (dense or MoE) form one stack, scanned with lax.scan;
 the stacks run in order. So first-k-dense (DeepSeek), every-Nth-MoE and explicit dense layers
-(Qwen3) all keep compile time flat in depth.
+(Qwen3) all keep compile time flat in depth. model.scan_layers=false keeps each layer's
+params apart instead and unrolls the layers (faster for a few layers; not with pipelining).
 """
 
 from __future__ import annotations
@@ -66,40 +67,59 @@ class Block(nnx.Module):
         return x, aux
 
 
-def _stack(n: int, make, rngs: nnx.Rngs):
-    """n blocks with params stacked on a leading layer axis (scanned later)."""
+def _stack(n: int, make, rngs: nnx.Rngs, per_layer: bool = False):
+    """n blocks with params stacked on a leading layer axis (scanned later), or with
+    per_layer an nnx.List of the n blocks (the same values, each layer's params its own
+    arrays)."""
     @nnx.split_rngs(splits=n)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def build(r):
         return make(r)
-    return build(rngs)
+    stack = build(rngs)
+    if not per_layer:
+        return stack
+    graphdef, state = nnx.split(stack)
+    return nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
+                     for i in range(n)])
 
 
-def run_layers(graphdef, state, x, segment_ids, positions, *, scan: bool, remat: str):
-    """Applies stacked layers (state leaves [L, ...]) in order. scan=False unrolls (same math)."""
+def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str):
+    """Applies stacked layers (state leaves [L, ...]) in order with lax.scan."""
     def body(h, layer_state):
         return nnx.merge(graphdef, layer_state)(h, segment_ids, positions)
 
     if remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=not scan)
-    if scan:
-        return jax.lax.scan(body, x, state)
-    # unrolled: one split per stacked leaf, whose transpose concatenates the layers' gradients
-    # once (indexing a[i] transposes to a zero-padded full stack per layer, summed: issue 8)
-    leaves, treedef = jax.tree.flatten(state)
-    n = leaves[0].shape[0]
-    parts = [[p.reshape(a.shape[1:]) for p in jax.lax.split(a, [1] * n)] for a in leaves]
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, x, state)
+
+
+def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
+    """Applies per-layer blocks (model.scan_layers=false) in order, unrolled; aux [L, ...].
+
+    Each layer's params are their own arrays: slicing them out of a stack cost ~10 ms of a
+    ~260 ms step at the issue-8 reference shape (slice copies, and the gradients'
+    concatenation back into the stack)."""
+    graphdef, _ = nnx.split(blocks[0])
+
+    def body(h, layer_state):
+        return nnx.merge(graphdef, layer_state)(h, segment_ids, positions)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat])
     auxs = []
-    for i in range(n):
-        x, aux = body(x, jax.tree.unflatten(treedef, [p[i] for p in parts]))
+    for block in blocks:
+        x, aux = body(x, nnx.split(block)[1])
         auxs.append(aux)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *auxs)
 
 
-def run_stack(stack, x, segment_ids, positions, *, scan: bool, remat: str,
+def run_stack(stack, x, segment_ids, positions, *, remat: str,
               pipeline: tuple[int, int] | None = None):
-    """Applies a stacked module's layers; pipeline=(microbatches, repeats) runs it pipelined."""
-    run = functools.partial(run_layers, scan=scan, remat=remat)
+    """Applies a layer group: a stacked module scanned (pipeline=(microbatches, repeats) runs
+    it pipelined), or an nnx.List of per-layer blocks unrolled."""
+    if isinstance(stack, nnx.List):
+        return run_blocks(list(stack), x, segment_ids, positions, remat=remat)
+    run = functools.partial(run_layers, remat=remat)
     if pipeline is not None:
         return run_pipeline(stack, x, segment_ids, positions, run_layers=run,
                             microbatches=pipeline[0], repeats=pipeline[1])
@@ -150,8 +170,11 @@ class Transformer(nnx.Module):
             return Block(model, attention, moe if is_moe else None, dtype=dtype, rngs=r)
 
         groups = layer_groups(model)
-        self.layer_groups = nnx.List([_stack(n, lambda r, m=is_moe: block(m, r), rngs)
-                                      for is_moe, _, n in groups])
+        # scan_layers=false: each layer's params are its own arrays (checkpoints then hold
+        # layer_groups/<group>/<layer>/...; the scanned layout is layer_groups/<group>/...[L])
+        self.layer_groups = nnx.List([
+            _stack(n, lambda r, m=is_moe: block(m, r), rngs, per_layer=not model.scan_layers)
+            for is_moe, _, n in groups])
         self.final_norm = RMSNorm(model.hidden_size, model.rms_norm_eps)
         self.lm_head = param(rngs, (model.hidden_size, model.vocab_size), ("embed", "vocab"),
                              model.init_std)
@@ -171,11 +194,11 @@ class Transformer(nnx.Module):
         """
         with jax.named_scope("embed"):
             x = self.embed(tokens)
-        run = dict(scan=self.cfg.scan_layers, remat=self.cfg.remat_policy)
         moe_auxs, dense_auxs = [], []
         for (is_moe, _, n), stack in zip(layer_groups(self.cfg), self.layer_groups):
             x, group_aux = run_stack(stack, x, segment_ids, positions,
-                                     pipeline=pipeline_plan(self.cfg, n), **run)
+                                     remat=self.cfg.remat_policy,
+                                     pipeline=pipeline_plan(self.cfg, n))
             (moe_auxs if is_moe else dense_auxs).append(group_aux)
         aux: dict = {}
         if dense_auxs:
@@ -244,8 +267,10 @@ class Transformer(nnx.Module):
 
     def update_router_bias(self, expert_load: jax.Array, speed: float) -> None:
         """In place, once per optimizer step: expert_load [L_moe (+ MTP), E] as in loss metrics."""
-        blocks = [stack.mlp for stack in self.layer_groups] + [
-            layer.block.mlp for layer in (self.mtp or [])]
+        blocks = [mlp for stack in self.layer_groups
+                  for mlp in ([b.mlp for b in stack] if isinstance(stack, nnx.List)
+                              else [stack.mlp])]
+        blocks += [layer.block.mlp for layer in (self.mtp or [])]
         blocks = [mlp for mlp in blocks if isinstance(mlp, MoE)]
         row = 0
         for mlp in blocks:

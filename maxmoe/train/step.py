@@ -148,19 +148,27 @@ def writes_metrics(done, cfg: Config):
 
 
 def update_ratios(new_params, params) -> jax.Array:
-    """[L] |new - old| / |old| per decoder layer (stacked layer groups, in layer order).
+    """[L] |new - old| / |old| per decoder layer (layer groups in layer order; a group is
+    stacked [L, ...] leaves, or per-layer trees under int keys with model.scan_layers=false).
 
     From the applied change rather than optax's update tree: the update then has one reader
     (the new params) and XLA fuses it away instead of writing it out and reading it back for
     these sums (XLA:CPU has no multi-output fusion; issue 8)."""
+    def ratio(new, old, stacked: bool):
+        def sq(leaves):
+            return sum(jnp.sum(jnp.square(x.astype(jnp.float32)),
+                               axis=tuple(range(int(stacked), x.ndim))) for x in leaves)
+        new, old = jax.tree.leaves(new), jax.tree.leaves(old)
+        u = sq(n.astype(jnp.float32) - o.astype(jnp.float32) for n, o in zip(new, old))
+        return jnp.atleast_1d(jnp.sqrt(u / jnp.maximum(sq(old), 1e-30)))
+
     ratios = []
     for group in sorted(params["layer_groups"]):
-        def sq(leaves):
-            return sum(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
-                       for x in leaves)
-        new, old = (jax.tree.leaves(t["layer_groups"][group]) for t in (new_params, params))
-        u, p = sq(n.astype(jnp.float32) - o.astype(jnp.float32) for n, o in zip(new, old)), sq(old)
-        ratios.append(jnp.sqrt(u / jnp.maximum(p, 1e-30)))
+        new, old = new_params["layer_groups"][group], params["layer_groups"][group]
+        if all(isinstance(k, int) for k in old):  # per-layer trees
+            ratios += [ratio(new[j], old[j], stacked=False) for j in sorted(old)]
+        else:
+            ratios.append(ratio(new, old, stacked=True))
     return jnp.concatenate(ratios)
 
 

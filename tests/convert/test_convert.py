@@ -3,6 +3,7 @@ layers included); FP8 block-scaled weights dequantize like a float64 NumPy refer
 missing tensors are one-line errors with exit code 2; the CLI round trip reproduces HF logits;
 neither direction holds the model twice."""
 
+import dataclasses
 import json
 import shutil
 import tracemalloc
@@ -19,6 +20,8 @@ from maxmoe.cli import main
 from maxmoe.config import load_config
 from maxmoe.convert.checkpoint_io import abstract_params, restore_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
+from maxmoe.convert import names
+from maxmoe.convert.hf_config import family_for
 from maxmoe.convert.names import get_path
 from maxmoe.convert.safetensors_io import SafetensorsReader, dequantize_fp8
 from maxmoe.convert.to_hf import convert_to_hf
@@ -49,6 +52,25 @@ def test_round_trip_is_bit_identical(tmp_path, name):
     assert_bit_identical(load_file(tmp_path / "hf" / "model.safetensors"), hub_tensors(FIXTURES / name))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == json.loads((FIXTURES / name / "config.json").read_text())["model_type"]
+
+
+def test_per_layer_params_give_the_same_hub_tensors():
+    """model.scan_layers=false keeps each layer's params apart (layer_groups/<g>/<layer>/...,
+    the layout a run with it trains and exports): the tensor map finds them there and exports
+    the same bytes as from the stacked layout that the round trip above checks against HF."""
+    cfg, params, _, _ = read_hf(DEEPSEEK)
+    per_layer_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                       scan_layers=False))
+    per_layer = dict(params, layer_groups={
+        g: {j: jax.tree.map(lambda a, j=j: a[j], group) for j in range(len(jax.tree.leaves(group)[0]))}
+        for g, group in params["layer_groups"].items()})
+    assert jax.tree.structure(per_layer) == jax.tree.structure(abstract_params(per_layer_cfg))
+    family = family_for(cfg)
+    stacked = {t.name: names.params_to_hub(t, params) for t in names.hub_tensors(cfg, family)}
+    got = {t.name: names.params_to_hub(t, per_layer)
+           for t in names.hub_tensors(per_layer_cfg, family)}
+    assert_bit_identical(got, stacked)
+    assert any(".layers.2.mlp.experts." in name for name in got)
 
 
 def quantize_fp8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -53,3 +53,23 @@ def test_loss_adds_weighted_mtp_and_sequence_balance_losses(stepped):
             + cfg.moe.sequence_balance_loss_weight * metrics["sequence_balance_loss"])
     np.testing.assert_allclose(metrics["loss"], want, rtol=1e-6)
     assert 0 < metrics["mtp_loss"] < 10
+
+
+@pytest.mark.parametrize("scan", ["true", "false"])
+def test_router_bias_update_reaches_every_moe_layer_in_order(scan):
+    """update_router_bias on the model alone, stacked and per-layer layouts: MoE layer i (and
+    then the MTP block) takes row i of the load."""
+    from maxmoe.train.step import build_model
+
+    cfg, _ = small_config(*DEEPSEEK, "model.num_layers=4", f"model.scan_layers={scan}")
+    model = build_model(cfg, 0)
+    moe_rows = cfg.model.num_layers - cfg.model.num_dense_layers + cfg.model.mtp_depth
+    ranks = np.tile(np.arange(cfg.moe.num_experts, dtype=np.float32), (moe_rows, 1))
+    load = np.random.default_rng(0).permuted(ranks, axis=1)  # each row its own order
+    assert len({row.tobytes() for row in np.sign(load - load.mean(-1, keepdims=True))}) > 1
+    model.update_router_bias(jax.numpy.asarray(load), 0.5)
+    groups = model.layer_groups[1]
+    trunk = ([np.asarray(b.mlp.bias[...]) for b in groups] if scan == "false"
+             else list(np.asarray(groups.mlp.bias[...])))
+    got = np.stack(trunk + [np.asarray(model.mtp[0].block.mlp.bias[...])])
+    np.testing.assert_array_equal(got, np.sign(load.mean(-1, keepdims=True) - load) * 0.5)

@@ -16,7 +16,7 @@ from flax import nnx
 from maxmoe.model.moe import MoE
 from maxmoe.parallel.experts import routed_experts
 from maxmoe.train.step import build_model
-from tests.helpers import random_batch, small_config
+from tests.helpers import random_batch, small_config, stacked
 
 
 def _grads(cfg, batch):
@@ -44,6 +44,8 @@ def test_scan_and_remat_give_equal_loss_and_grads(setup, variant):
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **variant))
     loss, got = _grads(other, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    got = stacked(got)
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
