@@ -9,7 +9,10 @@ belongs to) and `metrics` (the eval loss that ranks `keep_best`). Orbax writes i
 leaves the previous step restorable and the debris is removed on the next start.
 
 `resume()` restores the newest step that reads back; a step that fails is reported and
-moved aside to `<dir>.quarantine/` (never deleted), and the next older one is tried.
+moved aside to `<dir>.quarantine/` (never deleted), and the next older one is tried. A step
+whose saved state has other keys or shapes than this run's (another model config, e.g.
+model.scan_layers flipped) is not corrupt: resume stops with a ConfigError naming the
+config keys that differ, and moves nothing.
 
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     if ckpt.latest_step() is not None:
@@ -36,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocm
 
-from maxmoe.config import CheckpointConfig
+from maxmoe.config import CheckpointConfig, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +264,33 @@ class Checkpointer:
             **{item: ocp.args.JsonRestore()}))
         return restored[item]
 
+    def layout_mismatch(self, step: int, abstract_state: Any, config: dict | None = None
+                        ) -> str | None:
+        """Why step's saved state has another layout than abstract_state (keys or shapes),
+        naming the config keys that differ from `config` where the step saved its config; None
+        if the layouts agree or the metadata cannot be read (restore then reports the step)."""
+        try:
+            metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / STATE)
+            saved = _shapes(metadata.tree)
+        except Exception:  # noqa: BLE001 - unreadable metadata: a corrupt step, not a layout
+            return None
+        want = _shapes(abstract_state)
+        if saved == want:
+            return None
+        diffs = [f"{k}: saved {saved.get(k, 'absent')}, now {want.get(k, 'absent')}"
+                 for k in sorted(saved.keys() | want.keys(), key=lambda k: (k[:7] != "params/", k))
+                 if saved.get(k) != want.get(k)]  # params first: they name the layout
+        what = f"{len(diffs)} arrays differ, e.g. {diffs[0]}"
+        saved_config = self.read_json(step, CONFIG) if config is not None else None
+        if saved_config is not None:
+            keys = [f"{k} (saved {v!r}, now {now!r})" for k, (v, now) in
+                    _config_diff(saved_config, config).items() if not k.startswith("run.")]
+            if keys:
+                what = f"config keys differ: {', '.join(keys[:6])}; {what}"
+        return what
+
     def resume(self, abstract_state: Any, new_iterator: Callable[[], Any] | None = None,
-               meta: dict | None = None) -> Resumed | None:
+               meta: dict | None = None, config: dict | None = None) -> Resumed | None:
         """Restores the newest step that reads back; None if there is none (start fresh).
 
         new_iterator: builds a fresh data iterator; its position is restored only when the
@@ -270,11 +298,19 @@ class Checkpointer:
         counts and the pipeline), else `data_restored` is False and the caller decides (the
         train loop skips `step` batches). A step that fails to restore is named in a warning
         and moved to `<dir>.quarantine/`, and the next older step is tried. All processes
-        agree on each outcome, so they resume from the same step.
+        agree on each outcome, so they resume from the same step. A step saved for another
+        layout (see layout_mismatch; `config`: this run's resolved config) raises ConfigError.
         """
         self._manager.wait_until_finished()
         quarantined = []
         for step in reversed(self.all_steps()):
+            mismatch = self.layout_mismatch(step, abstract_state, config)
+            if mismatch is not None:
+                raise ConfigError(
+                    f"checkpoint {self.directory / str(step)} was saved for another model "
+                    f"layout than this config builds ({mismatch}); resume with the config it "
+                    f"was saved with (its values are in {self.directory / str(step) / CONFIG})"
+                    f", or set run.dir to a new directory")
             iterator = new_iterator() if new_iterator is not None else None
             try:
                 state, _ = self.restore(abstract_state, step=step)
@@ -325,3 +361,24 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """{"params/layer_groups/0/...": (shape, dtype)} of a state or its saved metadata."""
+    def key(path):  # dict keys, sequence indices, namedtuple fields: saved as strings
+        return "/".join(str(next((getattr(k, a) for a in ("key", "idx", "name")
+                                  if hasattr(k, a)), k)) for k in path)
+    return {key(p): (tuple(x.shape), np.dtype(x.dtype).name)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _config_diff(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple]:
+    """{dotted key: (saved, now)} for every leaf that differs between two resolved configs."""
+    out = {}
+    for k in sorted(saved.keys() | now.keys()):
+        a, b = saved.get(k), now.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(_config_diff(a, b, f"{prefix}{k}."))
+        elif a != b:
+            out[f"{prefix}{k}"] = (a, b)
+    return out

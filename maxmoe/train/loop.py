@@ -199,7 +199,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
     preemption = _Preemption(ckpt)  # from here on, SIGTERM means: save after the next step
 
     t = time.perf_counter()
-    resumed = ckpt.resume(trainer.abstract_state, lambda: iter(dataset), layout)
+    resumed = ckpt.resume(trainer.abstract_state, lambda: iter(dataset), layout, config_json)
     for bad in resumed.quarantined if resumed else []:
         log(f"warning: checkpoint step {bad.name} could not be restored (corrupt or "
             f"incomplete); moved it to {bad}")

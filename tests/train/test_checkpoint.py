@@ -203,3 +203,34 @@ def test_single_process_save_writes_replicated_shards_whole(tmp_path, monkeypatc
     assert step == 10
     assert_same(restored, values)
     ckpt.close()
+
+
+def test_resume_with_another_model_layout_is_a_config_error_that_moves_nothing(
+        tmp_path, monkeypatch, capsys):
+    """A checkpoint of stacked layers (scan_layers=true) resumed by a per-layer config: before
+    this check, every step failed to restore, was quarantined as corrupt, and the run started
+    from scratch. Now `maxmoe train` exits 2 naming the key, before anything compiles."""
+    from maxmoe.cli import main
+    from maxmoe.config import to_dict
+    from maxmoe.sharding import make_mesh
+    from maxmoe.train.step import make_trainer
+    from maxmoe.validation import validate
+    from tests.helpers import SMALL, small_config
+
+    monkeypatch.setenv("MAXMOE_CACHE", str(tmp_path / "cache"))
+    items = SMALL + ["model.vocab_size=512", "train.steps=1", f"run.dir={tmp_path / 'run'}"]
+    cfg, origins = small_config(*items[len(SMALL):])
+    trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins)))
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    with Checkpointer(ckpt_dir, CheckpointConfig(every_steps=1, async_save=False)) as ckpt:
+        assert ckpt.save(3, trainer.init(), config=to_dict(cfg))
+    capsys.readouterr()
+    assert main(["train", *items, "model.scan_layers=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"maxmoe: error: checkpoint {ckpt_dir / '3'} was saved for another "
+                          "model layout"), err
+    assert "model.scan_layers (saved True, now False)" in err, err
+    assert "arrays differ, e.g. params/layer_groups/0/0/attn/k: saved absent, now " \
+        "((64, 2, 16), 'float32')" in err, err
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["3"]  # nothing moved or deleted
+    assert not (tmp_path / "run" / "checkpoints.quarantine").exists()
