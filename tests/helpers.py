@@ -68,3 +68,11 @@ def stacked(params):
     return dict(params, layer_groups={
         g: jax.tree.map(lambda *a: np.stack(a), *[t[j] for j in sorted(t)])
         if all(isinstance(j, int) for j in t) else t for g, t in groups.items()})
+
+
+def per_layer(params):
+    """The inverse of stacked: layer_groups/<g>/...[L] -> layer_groups/<g>/<layer>/..."""
+    return dict(params, layer_groups={
+        g: {j: jax.tree.map(lambda a, j=j: a[j], t) for j in range(len(jax.tree.leaves(t)[0]))}
+        for g, t in params["layer_groups"].items()})
+

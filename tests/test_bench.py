@@ -57,6 +57,23 @@ def test_wall_time_goes_to_the_innermost_op_and_is_shared_between_threads():
     assert sum(got.values()) == 130  # the whole span, idle included
 
 
+def test_profile_traces_steps_the_loop_does_not_log():
+    """Logged steps add the update-ratio and param-norm passes: the profile skips past them."""
+    from maxmoe.bench import PROFILE_STEPS, unlogged_offset
+    from maxmoe.train.step import writes_metrics
+
+    for every, done in [(10, 7), (10, 5), (4, 2)]:
+        cfg, _ = small_config(f"logging.every_steps={every}", "train.steps=1000")
+        skip = unlogged_offset(done, cfg)
+        traced = range(done + skip + 1, done + skip + 1 + PROFILE_STEPS)
+        assert not any(writes_metrics(d, cfg) for d in traced), (every, done, skip)
+        assert skip == 0 or any(writes_metrics(done + skip + i, cfg)  # the first such window
+                                for i in range(PROFILE_STEPS))
+    assert unlogged_offset(7, small_config("logging.every_steps=10")[0]) == 3  # 11-13, not 8-10
+    # every window of 3 steps holds a logged one: trace right away rather than search forever
+    assert unlogged_offset(1, small_config("logging.every_steps=3")[0]) == 0
+
+
 def test_bench_figures_and_profile_breakdown(tmp_path):
     cfg, origins = small_config("model.remat_policy=none")
     sizes = validate(cfg, 8, origins)

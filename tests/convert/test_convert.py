@@ -25,6 +25,7 @@ from maxmoe.convert.hf_config import family_for
 from maxmoe.convert.names import get_path
 from maxmoe.convert.safetensors_io import SafetensorsReader, dequantize_fp8
 from maxmoe.convert.to_hf import convert_to_hf
+from tests.helpers import per_layer
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "hf"
@@ -61,13 +62,11 @@ def test_per_layer_params_give_the_same_hub_tensors():
     cfg, params, _, _ = read_hf(DEEPSEEK)
     per_layer_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                                        scan_layers=False))
-    per_layer = dict(params, layer_groups={
-        g: {j: jax.tree.map(lambda a, j=j: a[j], group) for j in range(len(jax.tree.leaves(group)[0]))}
-        for g, group in params["layer_groups"].items()})
-    assert jax.tree.structure(per_layer) == jax.tree.structure(abstract_params(per_layer_cfg))
+    split = per_layer(params)
+    assert jax.tree.structure(split) == jax.tree.structure(abstract_params(per_layer_cfg))
     family = family_for(cfg)
     stacked = {t.name: names.params_to_hub(t, params) for t in names.hub_tensors(cfg, family)}
-    got = {t.name: names.params_to_hub(t, per_layer)
+    got = {t.name: names.params_to_hub(t, split)
            for t in names.hub_tensors(per_layer_cfg, family)}
     assert_bit_identical(got, stacked)
     assert any(".layers.2.mlp.experts." in name for name in got)

@@ -125,6 +125,7 @@ def test_update_ratios_of_per_layer_params_equal_the_stacked_ones():
     same per-layer ratios as from the stacked layout. Reference: the stacked computation,
     which the float64 test above checks; rtol 1e-6 (float32 sums in another order)."""
     from maxmoe.train.step import update_ratios
+    from tests.helpers import per_layer
 
     rng = np.random.default_rng(0)
 
@@ -133,11 +134,6 @@ def test_update_ratios_of_per_layer_params_equal_the_stacked_ones():
                 "norm": {"scale": rng.normal(size=(n, 4)).astype(np.float32)}}
     old = {"embed": rng.normal(size=(5, 4)), "layer_groups": {0: group(1), 1: group(3)}}
     new = jax.tree.map(lambda x: x + 0.01 * rng.normal(size=x.shape).astype(x.dtype), old)
-
-    def per_layer(tree):
-        return dict(tree, layer_groups={g: {j: jax.tree.map(lambda a, j=j: a[j], t)
-                                            for j in range(len(t["norm"]["scale"]))}
-                                        for g, t in tree["layer_groups"].items()})
 
     want = np.asarray(update_ratios(new, old))
     assert want.shape == (4,) and len(set(want.tolist())) == 4
