@@ -306,11 +306,12 @@ class Checkpointer:
         for step in reversed(self.all_steps()):
             mismatch = self.layout_mismatch(step, abstract_state, config)
             if mismatch is not None:
+                saved = self.directory / str(step) / CONFIG
+                where = f" (its values are in {saved})" if saved.is_dir() else ""
                 raise ConfigError(
                     f"checkpoint {self.directory / str(step)} was saved for another model "
                     f"layout than this config builds ({mismatch}); resume with the config it "
-                    f"was saved with (its values are in {self.directory / str(step) / CONFIG})"
-                    f", or set run.dir to a new directory")
+                    f"was saved with{where}, or set run.dir to a new directory")
             iterator = new_iterator() if new_iterator is not None else None
             try:
                 state, _ = self.restore(abstract_state, step=step)

@@ -205,6 +205,27 @@ def test_single_process_save_writes_replicated_shards_whole(tmp_path, monkeypatc
     ckpt.close()
 
 
+def test_resume_onto_other_shapes_raises_instead_of_quarantining(tmp_path):
+    """Another width (no saved config here): before, every step was moved aside as corrupt
+    and resume returned None, so the run started over."""
+    from maxmoe.config import ConfigError
+
+    ckpt_dir = tmp_path / "ckpt"
+    with Checkpointer(ckpt_dir, CheckpointConfig(every_steps=1, async_save=False)) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": jnp.ones((4, 2))})
+    with Checkpointer(ckpt_dir, CheckpointConfig(every_steps=1)) as ckpt:
+        with pytest.raises(ConfigError) as info:
+            ckpt.resume({"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)})
+    assert str(info.value) == (
+        f"checkpoint {ckpt_dir.resolve() / '2'} was saved for another model layout than this "
+        "config builds (1 arrays differ, e.g. w: saved ((4, 2), 'float32'), now ((4, 3), "
+        "'float32')); resume with the config it was saved with, or set run.dir to a new "
+        "directory")
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["1", "2"]
+    assert not (tmp_path / "ckpt.quarantine").exists()
+
+
 def test_resume_with_another_model_layout_is_a_config_error_that_moves_nothing(
         tmp_path, monkeypatch, capsys):
     """A checkpoint of stacked layers (scan_layers=true) resumed by a per-layer config: before
