@@ -62,7 +62,10 @@ class Run:
             time.sleep(0.01)
 
     def finish(self, timeout: float = 120) -> tuple[int, dict | None]:
-        out, _ = self.proc.communicate(timeout=timeout)
+        # not communicate(): it reads stderr too, taking lines from the reader thread and
+        # closing the pipe under it. stdout holds only the summary line (fits a pipe's buffer)
+        self.proc.wait(timeout=timeout)
+        out = self.proc.stdout.read()
         self._reader.join(5)
         summary = json.loads(out.splitlines()[-1]) if out.strip() else None
         return self.proc.returncode, summary
