@@ -35,7 +35,9 @@ class ModelConfig:
     dense_mlp_size: int = 512  # hidden width of the dense SwiGLU MLP
     rms_norm_eps: float = 1e-6
     init_std: float = 0.02  # normal init std of every kernel and the embedding
-    scan_layers: bool = True  # stack layers, run them with lax.scan (flat compile time); false: per-layer params, unrolled
+    # stack layers and run them with lax.scan (flat compile time); false: per-layer params,
+    # unrolled (faster for a few layers; changes the checkpoint layout)
+    scan_layers: bool = True
     # none | full | dots (save matmul outputs) | save_named (save the qkv projections, attention
     # output, MoE dispatch/combine) | offload_named (those, offloaded to pinned host memory)
     remat_policy: str = "full"

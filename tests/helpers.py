@@ -75,4 +75,3 @@ def per_layer(params):
     return dict(params, layer_groups={
         g: {j: jax.tree.map(lambda a, j=j: a[j], t) for j in range(len(jax.tree.leaves(t)[0]))}
         for g, t in params["layer_groups"].items()})
-

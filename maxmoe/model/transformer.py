@@ -96,9 +96,9 @@ def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str):
 def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
     """Applies per-layer blocks (model.scan_layers=false) in order, unrolled; aux [L, ...].
 
-    Each layer's params are their own arrays: slicing them out of a stack cost ~10 ms of a
-    ~260 ms step at the issue-8 reference shape (slice copies, and the gradients'
-    concatenation back into the stack)."""
+    Each layer's params are their own arrays, so no weight is sliced out of a stack and no
+    gradient concatenated back (issue-8 reference shape: 48 copy ops fewer, temporaries
+    256 -> 232 MiB, step 0.98-0.99x the stacked layout's in interleaved A/B runs)."""
     graphdef, _ = nnx.split(blocks[0])
 
     def body(h, layer_state):

@@ -266,20 +266,21 @@ class Checkpointer:
 
     def layout_mismatch(self, step: int, abstract_state: Any, config: dict | None = None
                         ) -> str | None:
-        """Why step's saved state has another layout than abstract_state (keys or shapes),
-        naming the config keys that differ from `config` where the step saved its config; None
-        if the layouts agree or the metadata cannot be read (restore then reports the step)."""
+        """Why step's saved state has another layout than abstract_state (keys or shapes;
+        a dtype change is not one: Orbax casts on restore), naming the config keys that differ
+        from `config` where the step saved its config; None if the layouts agree or the
+        metadata cannot be read (restore then reports the step)."""
         try:
-            metadata = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / STATE)
-            saved = _shapes(metadata.tree)
+            handler = ocp.StandardCheckpointHandler()
+            saved = _shapes(handler.metadata(self.directory / str(step) / STATE).tree)
         except Exception:  # noqa: BLE001 - unreadable metadata: a corrupt step, not a layout
             return None
         want = _shapes(abstract_state)
         if saved == want:
             return None
+        params_first = sorted(saved.keys() | want.keys(), key=lambda k: (k[:7] != "params/", k))
         diffs = [f"{k}: saved {saved.get(k, 'absent')}, now {want.get(k, 'absent')}"
-                 for k in sorted(saved.keys() | want.keys(), key=lambda k: (k[:7] != "params/", k))
-                 if saved.get(k) != want.get(k)]  # params first: they name the layout
+                 for k in params_first if saved.get(k) != want.get(k)]
         what = f"{len(diffs)} arrays differ, e.g. {diffs[0]}"
         saved_config = self.read_json(step, CONFIG) if config is not None else None
         if saved_config is not None:
@@ -365,12 +366,11 @@ class Checkpointer:
 
 
 def _shapes(tree) -> dict[str, tuple]:
-    """{"params/layer_groups/0/...": (shape, dtype)} of a state or its saved metadata."""
+    """{"params/layer_groups/0/...": shape} of a state or its saved metadata."""
     def key(path):  # dict keys, sequence indices, namedtuple fields: saved as strings
         return "/".join(str(next((getattr(k, a) for a in ("key", "idx", "name")
                                   if hasattr(k, a)), k)) for k in path)
-    return {key(p): (tuple(x.shape), np.dtype(x.dtype).name)
-            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {key(p): tuple(x.shape) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def _config_diff(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple]:
