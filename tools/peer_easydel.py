@@ -173,7 +173,8 @@ def main() -> None:
         for i in range(args.warmup + 1):  # + 1: the loss at init comes from the first step
             state, metrics = compiled(state, rest, batch)
             jax.block_until_ready(metrics)
-            first = first if i else {k: float(v) for k, v in metrics.items()}
+            if i == 0:
+                first = {k: float(v) for k, v in metrics.items()}
         times = []
         for _ in range(args.steps):
             t = time.perf_counter()
