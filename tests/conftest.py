@@ -1,9 +1,9 @@
 """Fakes 8 CPU devices before JAX is imported, so every mesh test runs on a laptop.
 
-One persistent XLA compilation cache for the session (and the subprocesses it starts): many
-tests compile the same small step again (a resumed run, a restarted process), and a cache hit
-skips XLA's compile. Results are unchanged: the cache key is the whole HLO module, the
-compile options and the devices.
+One persistent XLA compilation cache per test process (each pytest-xdist worker, shared with
+the subprocesses its tests start): many tests compile the same small step again (a resumed
+run, a restarted process), and a cache hit skips XLA's compile. Results are unchanged: the
+cache key is the whole HLO module, the compile options and the devices.
 """
 
 import atexit
@@ -11,9 +11,14 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+_EIGHT = "--xla_force_host_platform_device_count=8"
+if _EIGHT not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit it
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _EIGHT).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+_PREFIX = os.path.join(tempfile.gettempdir(), "maxmoe-tests-xla-cache-")
+# each pytest-xdist worker its own (inherited from the controller otherwise): JAX writes cache
+# entries in place, so a worker could read another's half-written entry
+if os.environ.get("JAX_COMPILATION_CACHE_DIR", _PREFIX).startswith(_PREFIX):
     _cache = tempfile.mkdtemp(prefix="maxmoe-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
