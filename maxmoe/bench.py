@@ -104,7 +104,7 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
     import jax
 
     from maxmoe.validation import dcn_sizes
-    from maxmoe.metrics.flops import flops_per_token, peak_flops
+    from maxmoe.metrics.flops import flops_per_token, peak_flops, peak_meter
     from maxmoe.sharding import make_mesh, use_mesh
     from maxmoe.train.loop import global_batch
     from maxmoe.train.step import make_trainer
@@ -130,6 +130,12 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             holder["state"], run["metrics"] = run["compiled"](holder["state"], run["batch"])
             jax.block_until_ready(run["metrics"])
 
+    # a measured peak (CPU) is sampled once a round as well: see metrics.flops.MatmulPeak
+    meters = {}
+    for run in runs:
+        dtype = run["cfg"].precision.compute_dtype
+        if dtype not in meters:
+            meters[dtype] = peak_meter(run["cfg"])
     for _ in range(warmup):
         for run in runs:
             step(run)
@@ -138,6 +144,9 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             t = time.perf_counter()
             step(run)
             run["times"].append(time.perf_counter() - t)
+        for meter in meters.values():
+            if meter is not None:
+                meter.sample()
     breakdown = None
     if profile_dir:
         run = runs[0]
@@ -150,7 +159,7 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
         with use_mesh(run["trainer"].mesh, run["trainer"].rules):
             breakdown = profile_steps(run["compiled"], run["holder"]["state"], run["batch"],
                                       profile_dir)
-    peaks = {}  # measured after the steps (same host, same load), once per compute dtype
+    peaks = {}  # once per compute dtype
     base = np.asarray(runs[0]["times"])
     results = []
     for run in runs:
@@ -159,7 +168,7 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
         tokens = cfg.data.global_batch_size * cfg.data.seq_len
         model_flops = flops_per_token(cfg) * tokens
         dtype = cfg.precision.compute_dtype  # a bfloat16 run against a bfloat16 matmul
-        peak, peak_source = peaks[dtype] = peaks.get(dtype) or peak_flops(cfg)
+        peak, peak_source = peaks[dtype] = peaks.get(dtype) or peak_flops(cfg, meters[dtype])
         results.append({
             "tokens_per_second": tokens / step_time, "step_time_s": step_time,
             "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),

@@ -82,6 +82,8 @@ def test_bench_figures_and_profile_breakdown(tmp_path):
     assert r["tokens_per_second"] == pytest.approx(tokens / r["step_time_s"])
     assert r["model_flops_per_step"] == pytest.approx(flops_per_token(cfg) * tokens)
     assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
+    # the CPU peak: the best matmul of one run per timed round (2) and 10 after them
+    assert r["peak_source"] == "best float32 2048x2048 matmul of 12 on this host"
     assert r["peak_bytes"] > 0
     json.dumps(r)  # the last line bench prints
     parts = {row["part"]: row for row in r["profile"]["parts"]}

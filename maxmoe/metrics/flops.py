@@ -77,32 +77,65 @@ def flops_per_token(cfg: Config) -> float:
     return 6.0 * params + attention_scores
 
 
+class MatmulPeak:
+    """The practical peak of this host: the best FLOP/s a jitted square matmul reached in any
+    of the runs `sample` timed. Best, not median: noise on a shared machine only ever slows a
+    run down. `maxmoe bench` also samples it between its steps, so that a busy spell during
+    one burst of runs cannot set the peak low and the MFU high (issue 8: ten back-to-back runs
+    of the 2048^2 float32 matmul gave a best of 333 GFLOP/s in one bench and 424-499 in
+    others on this 2-core host)."""
+
+    def __init__(self, dtype=jnp.float32, size: int = 2048):
+        self.x = jax.device_put(jnp.ones((size, size), dtype), jax.devices()[0])
+        self.f = jax.jit(lambda a: a @ a)
+        self.f(self.x).block_until_ready()
+        self.flops, self.best, self.count = 2 * size**3, 0.0, 0
+        self.label = f"{jnp.dtype(dtype).name} {size}x{size} matmul"
+
+    def sample(self, repeats: int = 1) -> float:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.f(self.x).block_until_ready()
+            self.best = max(self.best, self.flops / (time.perf_counter() - t))
+            self.count += 1
+        return self.best
+
+    def source(self) -> str:
+        return f"best {self.label} of {self.count} on this host"
+
+
 def measure_matmul_peak(dtype=jnp.float32, size: int = 2048, repeats: int = 10) -> float:
-    """FLOP/s of a jitted square matmul on one device: the practical peak of this host.
-
-    The best of `repeats` runs: noise on a shared machine only ever slows a run down, and the
-    median of a few 1024^2 runs moved by +-15% between runs here, and the MFU with it."""
-    x = jax.device_put(jnp.ones((size, size), dtype), jax.devices()[0])
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * size**3 / best
+    """FLOP/s of a jitted square matmul on one device: the best of `repeats` runs."""
+    return MatmulPeak(dtype, size).sample(repeats)
 
 
-def peak_flops(cfg: Config) -> tuple[float, str]:
-    """(peak FLOP/s of all devices together, how it was obtained)."""
-    n = jax.device_count()
-    if cfg.logging.peak_flops_per_device > 0:
-        return cfg.logging.peak_flops_per_device * n, "logging.peak_flops_per_device"
+def _data_sheet_peak() -> tuple[float, str] | None:
     device = jax.devices()[0]
     if device.platform == "gpu":
         for name, peak in GPU_PEAK_BF16.items():
             if name in device.device_kind:
-                return peak * n, f"{device.device_kind} bf16 data-sheet peak"
-    # fake CPU devices share the host's cores: the host peak is the peak of all of them
-    dtype = jnp.dtype(cfg.precision.compute_dtype)  # a bfloat16 run against a bfloat16 matmul
-    return measure_matmul_peak(dtype), f"best {dtype.name} 2048x2048 matmul of 10 on this host"
+                return peak, f"{device.device_kind} bf16 data-sheet peak"
+    return None
+
+
+def peak_meter(cfg: Config) -> MatmulPeak | None:
+    """The meter peak_flops measures this config's peak with; None where the peak is given
+    (logging.peak_flops_per_device or a GPU's data sheet)."""
+    if cfg.logging.peak_flops_per_device > 0 or _data_sheet_peak() is not None:
+        return None
+    # fake CPU devices share the host's cores: the host peak is the peak of all of them;
+    # a bfloat16 run against a bfloat16 matmul
+    return MatmulPeak(jnp.dtype(cfg.precision.compute_dtype))
+
+
+def peak_flops(cfg: Config, meter: MatmulPeak | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of all devices together, how it was obtained). Measured: 10 more runs of
+    `meter` (default a new peak_meter(cfg)), the best of them and of all it timed before."""
+    n = jax.device_count()
+    if cfg.logging.peak_flops_per_device > 0:
+        return cfg.logging.peak_flops_per_device * n, "logging.peak_flops_per_device"
+    sheet = _data_sheet_peak()
+    if sheet is not None:
+        return sheet[0] * n, sheet[1]
+    meter = meter or peak_meter(cfg)
+    return meter.sample(10), meter.source()
