@@ -22,3 +22,16 @@ if os.environ.get("JAX_COMPILATION_CACHE_DIR", _PREFIX).startswith(_PREFIX):
     _cache = tempfile.mkdtemp(prefix="maxmoe-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+
+
+def pytest_sessionfinish(session):
+    """Free this process's compiled programs while the session still runs. Otherwise Python's
+    exit-time garbage collection did it (JAX's gc callback, seconds for a worker that compiled
+    hundreds of steps) after a pytest-xdist worker had reported itself finished, and xdist
+    interrupted it with SIGINT after 5 s, printing a KeyboardInterrupt warning."""
+    import gc
+    import sys
+
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    gc.collect()
