@@ -118,6 +118,11 @@ def state_shardings(state, mesh: Mesh, rules: dict[str, list[str]]):
         return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+    """This process's rows -> one global jax.Array per key, sharded over the batch axes."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
 def mesh_axes(logical: str) -> tuple[str, ...]:
     """The mesh axes (of size > 1) a logical axis maps to under the current mesh and rules."""
     mesh, rules = _MESH.get(), _RULES.get() or {}

@@ -2,12 +2,19 @@
 step to the named model parts (metrics/profile.py)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from maxmoe.bench import benchmark
+from maxmoe.config import load_config
 from maxmoe.metrics.flops import flops_per_token
+from maxmoe.train.step import build_model
 from maxmoe.metrics.profile import (COLLECTIVES, _innermost, _share, categorize,
                                     collective_instructions, matmul_instructions, op_names)
 from tests.helpers import small_config
@@ -129,3 +136,50 @@ def test_interleaved_variants_take_turns_and_share_a_state_of_the_same_layout():
         assert len(times) == 3 and r["step_time_s"] == pytest.approx(np.median(times))
         assert r["paired_ratio"] == pytest.approx(np.median(times / first))
         assert np.isfinite(r["loss"])
+
+
+BENCH_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "bench"
+
+
+def test_bench_configs_are_the_issue_8_shapes_and_validate():
+    """The shipped bench configs are what issue 8 measures, so a figure printed from them is the
+    issue's figure; the H200 one is checked here because a broken key would only show on the
+    lent GPU, whose minutes are few (tools/gpu_check.sh runs it)."""
+    cfg, origins = load_config([str(BENCH_CONFIGS / "cpu_mixtral_tiny.yaml")])
+    validate(cfg, 1, origins)
+    m, a, e = cfg.model, cfg.attention, cfg.moe
+    assert (m.num_layers, m.num_dense_layers, m.hidden_size, m.vocab_size) == (4, 0, 256, 4096)
+    assert (a.kind, a.num_heads, a.num_kv_heads, a.head_dim) == ("gqa", 4, 4, 64)
+    assert (e.num_experts, e.experts_per_token, e.expert_mlp_size, e.num_shared_experts) == (
+        8, 2, 256, 0)
+    assert (e.dispatch, cfg.precision.compute_dtype) == ("dropless", "float32")
+    assert (cfg.data.seq_len, cfg.data.global_batch_size, cfg.mesh.cpu_devices) == (256, 8, 1)
+
+    cfg, origins = load_config([str(BENCH_CONFIGS / "h200_deepseek_1b.yaml")])
+    validate(cfg, 1, origins)  # one H200
+    model = nnx.eval_shape(lambda: build_model(cfg, 0))  # shapes only, nothing allocated
+    total = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert 1e9 <= total <= 3e9, total
+    assert (cfg.attention.kind, cfg.moe.num_experts, cfg.moe.experts_per_token) == ("mla", 64, 6)
+    assert (cfg.moe.dispatch, cfg.moe.grouped_matmul) == ("dropless", "ragged_dot")
+    assert (cfg.data.seq_len, cfg.precision.compute_dtype) == (4096, "bfloat16")
+
+
+# maxmoe's dependencies that the lent H200's image lacks (/work/.library/device/KINDS.md):
+# nothing can be installed there, so `maxmoe bench` (tools/gpu_check.sh) must not import them
+NOT_ON_THE_GPU_IMAGE = ["grain", "array_record", "zstandard", "datasketch", "py3langid"]
+
+
+def test_bench_runs_without_the_data_pipeline_packages():
+    """Before this was checked, tools/gpu_check.sh would have stopped on the H200 before timing
+    anything: bench imported the training loop, which imports grain for the data pipeline and
+    for checkpointing its iterator."""
+    code = (f"import sys\nfor m in {NOT_ON_THE_GPU_IMAGE!r}: sys.modules[m] = None\n"
+            "from maxmoe.cli import main\n"
+            "sys.exit(main(['bench', 'configs/bench/cpu_mixtral_tiny.yaml', '--steps', '1',"
+            " '--warmup', '0', 'model.num_layers=1', 'data.seq_len=64']))")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["step_time_s"] > 0

@@ -36,15 +36,10 @@ from maxmoe.metrics.flops import flops_per_token, peak_flops
 from maxmoe.metrics.writers import MetricsWriter
 from maxmoe.model.transformer import layer_groups
 from maxmoe.parallel.pipeline import describe as describe_pipeline
-from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.step import DIAGNOSTICS, make_trainer, writes_metrics
-
-
-def global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
-    """This process's rows -> one global jax.Array per key, sharded over the batch axes."""
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
 def log(msg: str) -> None:
