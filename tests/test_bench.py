@@ -180,6 +180,7 @@ def test_bench_runs_without_the_data_pipeline_packages():
             " '--warmup', '0', 'model.num_layers=1', 'data.seq_len=64']))")
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          check=False,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["step_time_s"] > 0
