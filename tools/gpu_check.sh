@@ -1,30 +1,44 @@
 #!/usr/bin/env bash
 # One-call GPU check for a lent H200 (issue 8): run from the repo root on the device machine.
-#   run(command="bash tools/gpu_check.sh", timeout_s=540)
-# Writes every figure to $OUT (or ./gpu_out). Nothing is installed: the device image has JAX,
-# flax, optax, orbax, chex, pyyaml, tqdm, sentencepiece and safetensors, but not grain, which
-# `maxmoe bench` does not import (synthetic batches; tests/test_bench.py checks that), and its
-# pip cannot build an editable install offline, so the checkout goes on PYTHONPATH instead.
+#   bash tools/gpu_wheels.sh    # here, once: grain & co. for the short training run, into .whl/
+#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# Writes every figure to $OUT (or ./gpu_out), most important first, each step with its own
+# timeout (all together < 540 s). Nothing is fetched: the device image has JAX, flax, optax,
+# orbax, chex, pyyaml, tqdm, sentencepiece and safetensors but not grain, which `maxmoe bench`
+# does not import (synthetic batches; tests/test_bench.py checks that) and `maxmoe train` does
+# (installed from the carried .whl/ when there). Its pip cannot build an editable install
+# offline, so the checkout goes on PYTHONPATH instead.
 # Dry run on a CPU at toy shapes, to check the script itself before spending device minutes:
 #   GPU_CHECK_DRY=1 bash tools/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 PY=${PY:-python3}  # the image's python3 holds JAX; a plain `python` may not exist there
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+CFG=configs/bench/h200_deepseek_1b.yaml
 GM="--tokens 32768 --dim 1024 --ffn 512 --experts 64 --topk 6 --dtype bfloat16"
 SHRINK=()
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
   GM="--tokens 1024 --dim 64 --ffn 32 --experts 8 --topk 2 --dtype bfloat16"
   SHRINK=(model.num_layers=2 model.hidden_size=128 model.vocab_size=1024 model.dense_mlp_size=256
           moe.num_experts=16 moe.expert_mlp_size=64 data.seq_len=256 data.global_batch_size=2)
+elif compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$OUT/wheels.txt" 2>&1 && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 $PY -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())" > "$OUT/devices.txt" 2>&1
-timeout 150 $PY tools/bench_grouped_matmul.py $GM > "$OUT/grouped_matmul.txt" 2>&1
-timeout 240 $PY -m maxmoe.cli bench configs/bench/h200_deepseek_1b.yaml "${SHRINK[@]}" --steps 10 \
-  --profile /tmp/maxmoe_trace > "$OUT/bench_h200.json" 2> "$OUT/bench_h200.log"
-timeout 120 $PY -m maxmoe.cli bench configs/bench/h200_deepseek_1b.yaml "${SHRINK[@]}" attention.kind=gqa \
-  attention.num_kv_heads=16 attention.head_dim=64 attention.implementation=fused --steps 10 \
+# 1. the reference figures: tokens/s, step time, MFU against 989 TFLOP/s, profile breakdown
+timeout 200 $PY -m maxmoe.cli bench $CFG "${SHRINK[@]}" --steps 10 --profile /tmp/maxmoe_trace \
+  > "$OUT/bench_h200.json" 2> "$OUT/bench_h200.log"
+# 2. the grouped matmul alone against a dense matmul of the same FLOPs (its ceiling)
+timeout 90 $PY tools/bench_grouped_matmul.py $GM > "$OUT/grouped_matmul.txt" 2>&1
+# 3. cuDNN flash attention (jax.nn.dot_product_attention, packed-document mask) on a GQA variant
+timeout 100 $PY -m maxmoe.cli bench $CFG "${SHRINK[@]}" attention.kind=gqa attention.num_kv_heads=16 \
+  attention.head_dim=64 attention.implementation=fused --steps 10 \
   > "$OUT/bench_h200_gqa_fused.json" 2> "$OUT/bench_h200_gqa_fused.log"
+# 4. a short real training run (stdlib-sources corpus, its own tokenizer): the loss goes down
+timeout 120 $PY -m maxmoe.cli train $CFG "${SHRINK[@]}" train.steps=30 logging.every_steps=5 \
+  run.dir=/tmp/maxmoe_h200_run > "$OUT/train.json" 2> "$OUT/train.log"
+cp /tmp/maxmoe_h200_run/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null
 tail -n 3 "$OUT"/*.txt "$OUT"/*.json
 tail -n 25 "$OUT/bench_h200.log"
