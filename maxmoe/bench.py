@@ -105,8 +105,7 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
 
     from maxmoe.validation import dcn_sizes
     from maxmoe.metrics.flops import flops_per_token, peak_flops, peak_meter
-    from maxmoe.sharding import make_mesh, use_mesh
-    from maxmoe.sharding import global_batch
+    from maxmoe.sharding import global_batch, make_mesh, use_mesh
     from maxmoe.train.step import make_trainer
 
     runs, shared = [], {}

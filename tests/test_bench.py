@@ -166,7 +166,8 @@ def test_bench_configs_are_the_issue_8_shapes_and_validate():
 
 
 # maxmoe's dependencies that the lent H200's image lacks (/work/.library/device/KINDS.md):
-# nothing can be installed there, so `maxmoe bench` (tools/gpu_check.sh) must not import them
+# nothing is fetched there (a missing package must be carried as a wheel), so `maxmoe bench`,
+# the GPU check's main figures (tools/gpu_check.sh), must not need them
 NOT_ON_THE_GPU_IMAGE = ["grain", "array_record", "zstandard", "datasketch", "py3langid"]
 
 
