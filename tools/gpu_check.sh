@@ -13,7 +13,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 PY=${PY:-python3}  # the image's python3 holds JAX; a plain `python` may not exist there
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MAXMOE_CACHE=/tmp/maxmoe_cache
 CFG=configs/bench/h200_deepseek_1b.yaml
 GM="--tokens 32768 --dim 1024 --ffn 512 --experts 64 --topk 6 --dtype bfloat16"
 SHRINK=()
