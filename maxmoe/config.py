@@ -58,7 +58,7 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     kind: str = "gqa"  # gqa (Mixtral, Qwen3) | mla (DeepSeek multi-head latent attention)
     causal_block_size: int = 128  # einsum: queries per block, blocks above the diagonal skipped; 0 = one
-    implementation: str = "einsum"  # gqa: einsum (XLA) | fused (jax.nn.dot_product_attention: cuDNN flash on GPU)
+    implementation: str = "einsum"  # einsum (XLA, query blocks) | fused (jax.nn.dot_product_attention: cuDNN flash on GPU)
     qk_norm: bool = False  # gqa: RMSNorm over head_dim of every q and k head before RoPE (Qwen3)
     q_lora_rank: int = 0  # mla: rank of the low-rank query path; 0 = one full-rank q projection
     kv_lora_rank: int = 512  # mla: width of the compressed key/value latent

@@ -89,8 +89,6 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
     need(a.kind in ("gqa", "mla"), "attention.kind", "unknown attention", "use gqa or mla")
     need(a.implementation in ("einsum", "fused"), "attention.implementation",
          "unknown implementation", "use einsum or fused")
-    need(a.implementation == "einsum" or a.kind == "gqa", "attention.implementation",
-         "the fused kernel is wired for gqa only", "use einsum with mla")
     if a.kind == "mla":
         for key in ("attention.kv_lora_rank", "attention.qk_nope_head_dim",
                     "attention.qk_rope_head_dim", "attention.v_head_dim"):

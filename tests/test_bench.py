@@ -162,6 +162,7 @@ def test_bench_configs_are_the_issue_8_shapes_and_validate():
     assert 1e9 <= total <= 3e9, total
     assert (cfg.attention.kind, cfg.moe.num_experts, cfg.moe.experts_per_token) == ("mla", 64, 6)
     assert (cfg.moe.dispatch, cfg.moe.grouped_matmul) == ("dropless", "ragged_dot")
+    assert cfg.attention.implementation == "fused"  # cuDNN flash attention on the GPU
     assert (cfg.data.seq_len, cfg.precision.compute_dtype) == (4096, "bfloat16")
 
 

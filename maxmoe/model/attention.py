@@ -136,14 +136,23 @@ def _attention_bwd(block_size, res, g):
 attention_core.defvjp(_attention_fwd, _attention_bwd)
 
 
-def fused_attention(q, k, v, segment_ids):
-    """q [B, S, H, Dh], k/v [B, T, K, Dh] -> [B, S, H, Dh] via jax.nn.dot_product_attention:
-    cuDNN flash attention on GPU (causal skips the upper triangle; the document mask rides
-    along as a [B, 1, S, T] mask), XLA elsewhere."""
+def fused_attention(q, k, v, segment_ids, scale: float | None = None):
+    """q [B, S, H, Dh], k [B, T, K, Dh], v [B, T, K, Dv] -> [B, S, H, Dv] via
+    jax.nn.dot_product_attention: cuDNN flash attention on GPU (causal skips the upper
+    triangle; the document mask rides along as a [B, 1, S, T] mask), XLA elsewhere. scale:
+    the softmax scale (default Dh^-0.5). The kernel takes one head dim for q, k and v, so a
+    narrower v (MLA: Dv < Dn + R) is padded with zero columns, whose outputs are 0 and dropped."""
     impl = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
     same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=same_doc, is_causal=True,
-                                        implementation=impl)
+    dh, dv = q.shape[-1], v.shape[-1]
+    if dv < dh:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, dh - dv)])
+    elif dv > dh:  # zero columns of q and k add 0 to every score
+        pad = [(0, 0)] * 3 + [(0, dv - dh)]
+        q, k, scale = jnp.pad(q, pad), jnp.pad(k, pad), dh ** -0.5 if scale is None else scale
+    out = jax.nn.dot_product_attention(q, k, v, mask=same_doc, is_causal=True, scale=scale,
+                                       implementation=impl)
+    return out[..., :dv]
 
 
 class Attention(nnx.Module):

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
-from maxmoe.model.attention import attention_core
+from maxmoe.model.attention import attention_core, fused_attention
 from maxmoe.model.layers import RMSNorm, param
 from maxmoe.model.rope import apply_rope, yarn_mscale
 from maxmoe.sharding import shard
@@ -76,12 +76,18 @@ class LatentAttention(nnx.Module):
                                          for t in (q_nope, q_pe, k_nope, k_pe, v))
         # one head dim of Dn + R: [q_nope, q_pe] . [k_nope, k_pe] is the sum of the two scores
         # (the RoPE key is broadcast to every head, as Hugging Face's DeepSeek modules do)
-        q = jnp.concatenate([q_nope, q_pe], axis=-1) * softmax_scale(cfg)
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)
         k_pe = jnp.broadcast_to(k_pe[:, :, None], (*k_nope.shape[:3], k_pe.shape[-1]))
         k = shard(jnp.concatenate([k_nope, k_pe], axis=-1), heads)
-        out = attention_core(q.transpose(0, 2, 1, 3)[:, :, None], k.transpose(0, 2, 1, 3),
-                             v.transpose(0, 2, 1, 3), segment_ids, cfg.causal_block_size)
-        out = shard(out[:, :, 0], ("batch", "act_heads", "seq", None))
+        if cfg.implementation == "fused":
+            out = shard(fused_attention(q, k, v, segment_ids, softmax_scale(cfg)), heads)
+            layout = "bshk,hkd->bsd"
+        else:
+            q = q * softmax_scale(cfg)
+            out = attention_core(q.transpose(0, 2, 1, 3)[:, :, None], k.transpose(0, 2, 1, 3),
+                                 v.transpose(0, 2, 1, 3), segment_ids, cfg.causal_block_size)
+            out = shard(out[:, :, 0], ("batch", "act_heads", "seq", None))
+            layout = "bhsk,hkd->bsd"
         with jax.named_scope("projection"):
-            out = shard(jnp.einsum("bhsk,hkd->bsd", out, c(self.o)), ("batch", "seq", "act_embed"))
+            out = shard(jnp.einsum(layout, out, c(self.o)), ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")

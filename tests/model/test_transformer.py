@@ -100,18 +100,21 @@ def test_attention_never_crosses_documents():
     assert not np.allclose(np.asarray(logits)[~first], np.asarray(logits2)[~first])
 
 
-def test_fused_attention_equals_einsum():
-    """Reference: the einsum path; float32, tolerance 1e-5 (same math, other kernel)."""
-    cfg, _ = small_config()
-    fused_cfg, _ = small_config("attention.implementation=fused")
+MLA = ["attention.kind=mla", "attention.kv_lora_rank=16", "attention.qk_nope_head_dim=8",
+       "attention.qk_rope_head_dim=8", "attention.v_head_dim=8"]
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla", "mla_wide_v"])
+def test_fused_attention_equals_einsum(kind):
+    """Reference: the einsum path; float32, tolerance 1e-5 (same math, other kernel). MLA's v
+    is narrower than q.k (8 < 8 + 8): the fused kernel pads it; mla_wide_v pads q and k."""
+    extra = {"gqa": [], "mla": MLA, "mla_wide_v": MLA + ["attention.v_head_dim=24"]}[kind]
+    cfg, _ = small_config(*extra)
+    fused_cfg, _ = small_config("attention.implementation=fused", *extra)
     batch = random_batch(cfg)
     ref, _ = build_model(cfg, 0)(batch["tokens"], batch["segment_ids"], batch["positions"])
     got, _ = build_model(fused_cfg, 0)(batch["tokens"], batch["segment_ids"], batch["positions"])
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-
-
-MLA = ["attention.kind=mla", "attention.kv_lora_rank=16", "attention.qk_nope_head_dim=8",
-       "attention.qk_rope_head_dim=8", "attention.v_head_dim=8"]
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
