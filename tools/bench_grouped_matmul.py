@@ -48,7 +48,12 @@ def main():
     results = {}
 
     def report(name, fwd, both):
-        results[name] = {"forward_tflops": flops / fwd / 1e12, "train_tflops": 3 * flops / both / 1e12}
+        """Prints at once: a slow kernel cut off by a timeout loses only its own line."""
+        r = results[name] = {"forward_tflops": flops / fwd / 1e12,
+                             "train_tflops": 3 * flops / both / 1e12}
+        ratio = r["train_tflops"] / results["dense"]["train_tflops"]
+        print(f"{name:10s} forward {r['forward_tflops']:.3f} TFLOP/s, forward+backward "
+              f"{r['train_tflops']:.3f} TFLOP/s ({ratio:.2f}x dense)", flush=True)
 
     # dense: the same rows x K through one expert's weights (distinct gate and up weights, or
     # XLA would merge the two identical matmuls and the reference would do 2/3 of the work)
@@ -66,9 +71,6 @@ def main():
         report(impl, timed(f, x, wg, wu, wd),
                timed(jax.grad(lambda *t, f=f: jnp.sum(f(*t) * ct_tokens), (0, 1, 2, 3)),
                      x, wg, wu, wd))
-    for name, r in results.items():
-        print(f"{name:10s} forward {r['forward_tflops']:.3f} TFLOP/s, forward+backward "
-              f"{r['train_tflops']:.3f} TFLOP/s ({r['train_tflops'] / results['dense']['train_tflops']:.2f}x dense)")
     print(json.dumps({"shape": vars(a), "device": jax.devices()[0].device_kind, **results}))
 
 
