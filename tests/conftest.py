@@ -15,11 +15,12 @@ _EIGHT = "--xla_force_host_platform_device_count=8"
 if _EIGHT not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist workers inherit it
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _EIGHT).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_PREFIX = os.path.join(tempfile.gettempdir(), "maxmoe-tests-xla-cache-")
+_NAME = "maxmoe-tests-xla-cache-"
+_PREFIX = os.path.join(tempfile.gettempdir(), _NAME)
 # each pytest-xdist worker its own (inherited from the controller otherwise): JAX writes cache
 # entries in place, so a worker could read another's half-written entry
 if os.environ.get("JAX_COMPILATION_CACHE_DIR", _PREFIX).startswith(_PREFIX):
-    _cache = tempfile.mkdtemp(prefix="maxmoe-tests-xla-cache-")
+    _cache = tempfile.mkdtemp(prefix=_NAME)
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
 

@@ -18,7 +18,7 @@ it to the Mixtral loss), grads of all params, clip_by_global_norm(1.0) + adamw, 
 Timing follows `maxmoe bench`: compile once, 2 warm-up steps, then --steps steps each ended by
 block_until_ready; median/min/max step time, tokens/s, MFU against the best of 10 float32
 2048^2 matmuls. The FLOPs formula and the peak are maxmoe's own (`flops_per_token` of
-configs/bench/cpu_mixtral_tiny.yaml, `measure_matmul_peak`), imported from this checkout.
+configs/bench/cpu_mixtral_tiny.yaml, `MatmulPeak`), imported from this checkout.
 Prints a summary to stderr and one JSON line on stdout.
 
 Not like for like, in EasyDeL's favour or not: its fused_moe and standard_moe run
@@ -75,7 +75,7 @@ from ejkernel.types import MaskInfo
 # both sides of the comparison use one of each
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from maxmoe.config import load_config  # noqa: E402
-from maxmoe.metrics.flops import flops_per_token, measure_matmul_peak  # noqa: E402
+from maxmoe.metrics.flops import MatmulPeak, flops_per_token  # noqa: E402
 
 # importing ejkernel points JAX's persistent compilation cache at ~/.cache/ejkernel-cache; maxmoe
 # uses none, so turn it off: compile_time_s is a cold compile on both sides
@@ -181,7 +181,7 @@ def main() -> None:
             state, metrics = compiled(state, rest, batch)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
-    peak = measure_matmul_peak(jnp.float32)
+    peak = MatmulPeak(jnp.float32).sample(10)
 
     sane = all(map(math.isfinite, first.values())) and abs(first["ce"] - math.log(VOCAB)) < 1.0
     median = float(np.median(times))

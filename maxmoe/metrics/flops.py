@@ -104,11 +104,6 @@ class MatmulPeak:
         return f"best {self.label} of {self.count} on this host"
 
 
-def measure_matmul_peak(dtype=jnp.float32, size: int = 2048, repeats: int = 10) -> float:
-    """FLOP/s of a jitted square matmul on one device: the best of `repeats` runs."""
-    return MatmulPeak(dtype, size).sample(repeats)
-
-
 def _data_sheet_peak() -> tuple[float, str] | None:
     device = jax.devices()[0]
     if device.platform == "gpu":
