@@ -58,12 +58,12 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     in took the step from 355 to 341 ms; recomputing gate/up instead of keeping it cut XLA's
     temporaries 0.258 -> 0.219 GiB and is faster (keeping it: 3 of 3 paired runs 2-3% slower,
     the layer scan stacks and zero-fills the kept [rows, 2F] per layer; re-measured with layers
-    unrolled and the forward timed too: the kernel alone 0.93x, together with plain [D, rows]
-    weight-gradient products, but the whole step 1.01x and 1.04x, 40 paired rounds each, so
-    not kept). On XLA:CPU a batched
-    matmul over per-block gathered weights took 1.6x the CPU time of this loop and ragged_dot
-    runs at 0.07-0.08x a dense matmul, this kernel at 0.71-0.76x (forward+backward, best of 20,
-    three runs of tools/bench_grouped_matmul.py --tokens 2048).
+    unrolled and the forward timed: keeping it, with plain [D, rows] weight-gradient products,
+    made this kernel alone 0.93x but the whole step 1.01x and 1.04x in 40 paired rounds, so it
+    is not kept). On XLA:CPU a batched matmul over per-block gathered weights took 1.6x the
+    CPU time of this loop and ragged_dot runs at 0.07-0.08x a dense matmul, this kernel at
+    0.71-0.76x (forward+backward, best of 20, three runs of tools/bench_grouped_matmul.py
+    --tokens 2048).
     """
     return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds)[0]
 
