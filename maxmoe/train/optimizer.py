@@ -45,7 +45,7 @@ def clip_by_scheduled_global_norm(schedule: optax.Schedule
 
     def update(updates, state, params=None, *, grad_norm=None, **extra_args):
         del params, extra_args
-        norm = optax.global_norm(updates) if grad_norm is None else grad_norm
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
         max_norm = jnp.asarray(schedule(state.count), norm.dtype)
         # optax.clip_by_global_norm's result to within an ulp, as one scalar factor: a
         # per-element divide is "expensive" to XLA, so the clipped gradient was written out

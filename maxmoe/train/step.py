@@ -219,7 +219,7 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         grads, metrics = gradients(params, batch, buffers, scale_state)
         if scaler is not None:
             grads = scaler.unscale(grads, scale_state)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         # a NaN or inf in any gradient makes the norm non-finite: one pass over the gradients,
         # not two (issue 8). A finite gradient above ~1e19 overflows the squared sum and counts
         # as non-finite too, which the guard would skip anyway.
@@ -260,7 +260,7 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         rms = per_layer(metrics, cfg)
         if rms is not None:
             metrics.update(layer_activation_rms=rms, activation_rms_max=jnp.max(rms))
-        metrics["param_norm"] = when_logged(optax.global_norm, new_params)
+        metrics["param_norm"] = when_logged(optax.tree.norm, new_params)
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "opt_state": new_opt_state, "guard": guard_state}
         if scaler is not None:
