@@ -14,11 +14,11 @@ from flax import nnx
 from maxmoe.bench import benchmark
 from maxmoe.config import load_config
 from maxmoe.metrics.flops import flops_per_token
-from maxmoe.train.step import build_model
 from maxmoe.metrics.profile import (COLLECTIVES, _innermost, _share, categorize,
                                     collective_instructions, matmul_instructions, op_names)
-from tests.helpers import small_config
+from maxmoe.train.step import build_model
 from maxmoe.validation import validate
+from tests.helpers import small_config
 
 
 def test_op_names_and_matmuls_from_hlo_text():
@@ -182,7 +182,6 @@ def test_bench_runs_without_the_data_pipeline_packages():
             " '--warmup', '0', 'model.num_layers=1', 'data.seq_len=64']))")
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
-                          check=False,
-                          timeout=300)
+                          check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["step_time_s"] > 0

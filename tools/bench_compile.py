@@ -13,10 +13,9 @@ import jax
 
 from maxmoe.config import load_config
 from maxmoe.validation import validate
-from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.bench import synthetic_batch
-from maxmoe.sharding import global_batch
 
 SHAPE = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml"]
 

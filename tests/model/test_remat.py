@@ -15,8 +15,7 @@ from flax import nnx
 
 from maxmoe.validation import validate
 from maxmoe.model.transformer import SAVED_NAMES
-from maxmoe.sharding import make_mesh
-from maxmoe.sharding import global_batch
+from maxmoe.sharding import global_batch, make_mesh
 from maxmoe.train.step import build_model, make_trainer
 from tests.helpers import random_batch, small_config
 

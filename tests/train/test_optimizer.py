@@ -89,8 +89,7 @@ def test_step_update_ratio_and_param_norm_equal_float64_numpy():
     params copied out before and after a step of the small MoE; rtol 1e-5 (float32 sums).
     Both are computed only on steps whose metrics the loop writes: NaN on step 1 of 2 with
     logging.every_steps=2."""
-    from maxmoe.sharding import make_mesh
-    from maxmoe.sharding import global_batch
+    from maxmoe.sharding import global_batch, make_mesh
     from maxmoe.train.step import make_trainer
     from tests.helpers import random_batch, small_config
 

@@ -12,9 +12,8 @@ import pytest
 
 from maxmoe.config import CheckpointConfig, PrecisionConfig
 from maxmoe.validation import validate
-from maxmoe.sharding import make_mesh
+from maxmoe.sharding import global_batch, make_mesh
 from maxmoe.train.checkpoint import Checkpointer
-from maxmoe.sharding import global_batch
 from maxmoe.train.precision import LossScaler, make_loss_scaler
 from maxmoe.train.step import make_trainer
 from tests.helpers import small_config
