@@ -12,8 +12,11 @@ first on PYTHONPATH, e.g. an export of another commit; default: the installed ma
 
 and prints per run: steady-state loop step time (the logging windows after the first, which
 holds the warm-up), the bench median step time, host overhead = 1 - bench / loop, and, when
-the loop records them, data wait per step and the loop's own host_overhead_fraction.
-The last line is one JSON object. On a shared machine compare runs of one invocation only.
+the loop records them, data wait per step, the loop's own host_overhead_fraction (the device
+idle) and host_cpu_fraction (the share of the cores' time the host's threads and data workers
+used: on a CPU backend the most they take from the step). The last line is one JSON object.
+Loop against bench compares two processes run one after the other, which a shared machine's
+load moves by up to +-20% (issue 8); the loop's own counters do not depend on it.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def loop_figures(run_dir: Path) -> dict:
         sys.exit(f"no steady-state window in {run_dir}: raise --steps")
     out = {"loop_step_s": float(np.median([r["step_time_s"] for r in steady])),
            "windows": len(steady)}
-    for key in ("data_wait_s", "host_time_s", "host_overhead_fraction"):
+    for key in ("data_wait_s", "host_time_s", "host_overhead_fraction", "host_cpu_s",
+                "host_cpu_fraction"):
         if all(key in r for r in steady):
             out[key] = float(np.median([r[key] for r in steady]))
     return out
@@ -93,14 +97,17 @@ def main() -> int:
                          host_overhead=1 - bench["step_time_s"] / r["loop_step_s"])
                 results.append(r)
                 extra = "".join(f" {k} {r[k]:.4f}" for k in (
-                    "data_wait_s", "host_time_s", "host_overhead_fraction") if k in r)
+                    "data_wait_s", "host_time_s", "host_overhead_fraction", "host_cpu_s",
+                    "host_cpu_fraction") if k in r)
                 print(f"[{repeat}] {r['imported']}: loop {r['loop_step_s']:.3f} s/step, bench "
                       f"{r['bench_step_s']:.3f} s/step, host overhead "
                       f"{100 * r['host_overhead']:.1f}%{extra}", file=sys.stderr, flush=True)
     for src in sources:
         mine = [r for r in results if r["src"] == (src or "installed")]
+        own = "".join(f", {k} {100 * np.median([r[k] for r in mine]):.1f}%" for k in (
+            "host_overhead_fraction", "host_cpu_fraction") if all(k in r for r in mine))
         print(f"{mine[0]['imported']}: median over {len(mine)} repeats: host overhead "
-              f"{100 * np.median([r['host_overhead'] for r in mine]):.1f}%", file=sys.stderr)
+              f"{100 * np.median([r['host_overhead'] for r in mine]):.1f}%{own}", file=sys.stderr)
     print(json.dumps(results))
     return 0
 

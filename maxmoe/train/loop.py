@@ -20,8 +20,10 @@ logging window (see _HostTiming).
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,17 +59,25 @@ class _HostTiming:
     the device was last seen busy (a probe that found a step unfinished, or the end of a
     wait that blocked) as idle. That is an upper bound, exact to one probe interval, and
     `host_overhead_fraction` = idle / wall (0 while the host keeps a step queued).
-    On a CPU backend host threads also slow the step itself by sharing its cores; that
-    shows in step time against `maxmoe bench`, not here.
+
+    On a CPU backend the host's threads also slow the step itself by sharing its cores:
+    `host_cpu_s` is the CPU time per step of the host side (see host_cpu_ns) and
+    `host_cpu_fraction` its share of the window's core time (wall x usable cores), the most
+    it can take from the step there. Issue 8: comparing the loop's step time with `maxmoe
+    bench` in another process could not resolve it (single comparisons from -24% to +19% on
+    a shared 2-core host).
     """
 
     def __init__(self):
         self._latest = None  # an output of the newest dispatched step
         self._busy_at = 0.0  # the last moment the device was known to have work
+        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+            os.cpu_count() or 1)
         self.reset()
 
     def reset(self) -> None:
         self.data_wait = self.device_wait = self.idle = 0.0
+        self._cpu = host_cpu_ns()
 
     def probe(self) -> None:
         """Non-blocking: notes that the device is busy if the newest step is unfinished."""
@@ -110,8 +120,50 @@ class _HostTiming:
         record = {"data_wait_s": self.data_wait / n,
                   "host_time_s": max(wall - self.device_wait, 0.0) / n,
                   "host_overhead_fraction": min(self.idle / wall, 1.0) if wall > 0 else 0.0}
+        now = host_cpu_ns()
+        if now is not None and self._cpu is not None:
+            # threads or workers that ended during the window are gone from `now`: their time
+            # since the window began is not counted (an undercount by at most that)
+            cpu = sum(max(v - self._cpu.get(k, 0), 0) for k, v in now.items()) / 1e9
+            record.update(host_cpu_s=cpu / n, host_cpu_fraction=min(
+                cpu / (wall * self._cores), 1.0) if wall > 0 else 0.0)
         self.reset()
         return record
+
+
+def _task_ns(task: str) -> int:
+    """CPU time (ns) a thread has run, from /proc/.../task/TID/schedstat (its first field)."""
+    with open(f"{task}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+def host_cpu_ns() -> dict | None:
+    """CPU time (ns) used so far by the host side of this process, keyed by thread or worker:
+    its Python threads (the loop, the data pipeline's readers and prefetch thread, checkpoint
+    writers) and its child processes (data workers, every thread of them). XLA's own threads
+    are not Python threads and are left out. None where Linux's /proc schedstat is missing."""
+    if not os.path.exists("/proc/self/schedstat"):
+        return None
+    out = {}
+    for thread in threading.enumerate():
+        try:
+            out[("thread", thread.native_id)] = _task_ns(f"/proc/self/task/{thread.native_id}")
+        except (OSError, TypeError):
+            continue  # it ended just now (or has not started: native_id None)
+    children = set()
+    for task in os.listdir("/proc/self/task"):
+        try:  # absent on kernels built without CONFIG_PROC_CHILDREN: workers not counted
+            with open(f"/proc/self/task/{task}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+        except OSError:
+            continue
+    for pid in children:
+        try:
+            out[("process", pid)] = sum(_task_ns(f"/proc/{pid}/task/{t}")
+                                        for t in os.listdir(f"/proc/{pid}/task"))
+        except OSError:
+            continue  # it exited just now
+    return out
 
 
 class _Preemption:

@@ -138,7 +138,8 @@ def test_poisoned_batches_are_skipped_or_rolled_back(tmp_path, monkeypatch, caps
     assert clean["first_loss"] > 5.0 and clean["last_loss"] < 3.0  # it learned
     timed = [r for r in records if r["step_time_s"]]  # every window but the first step's
     assert timed and all(r["data_wait_s"] >= 0 and r["host_time_s"] >= 0 and
-                         0 <= r["host_overhead_fraction"] <= 1 for r in timed)
+                         0 <= r["host_overhead_fraction"] <= 1 and
+                         0 < r["host_cpu_fraction"] <= 1 for r in timed)
     assert abs(summary["last_loss"] - clean["last_loss"]) < 0.1
 
 
