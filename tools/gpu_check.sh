@@ -41,7 +41,9 @@ fi
 # 2. the grouped matmul alone against a dense matmul of the same FLOPs (its ceiling)
 timeout 90 $PY tools/bench_grouped_matmul.py $GM > "$OUT/grouped_matmul.txt" 2>&1
 # 3. a short real training run (stdlib-sources corpus, its own tokenizer): the loss goes down;
-#    no checkpoint (the params and AdamW moments of 1.3B are 15.6 GB to write)
+#    no checkpoint (the params and AdamW moments of 1.3B are 15.6 GB to write); a fresh run
+#    dir, so that a second call (or dry run) does not append to the first one's metrics
+rm -rf /tmp/maxmoe_h200_run
 timeout 110 $PY -m maxmoe.cli train $CFG "${SHRINK[@]}" $ATTN train.steps=30 logging.every_steps=5 \
   checkpoint.enabled=false \
   run.dir=/tmp/maxmoe_h200_run > "$OUT/train.json" 2> "$OUT/train.log"
