@@ -37,7 +37,7 @@ class MetricsWriter:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
-        # share of the window's wall time the device had no step to run (loop.py _HostTiming)
+        # share of the window's wall time the device had no step to run (metrics/host.py HostTiming)
         host = record.get("host_overhead_fraction")
         if self.bar is not None:
             self.bar.update(step - self.last_step)

@@ -15,15 +15,13 @@ logging) and the data thread's next batch is sharded; the host's guard decisions
 land one step late (guards.py). A step whose state is read on the host (saved, evaluated,
 the last one, a SIGTERM stop) is settled before anything else happens, so no checkpoint
 holds a state that a guard has not cleared. metrics.jsonl gets the host-side costs per
-logging window (see _HostTiming).
+logging window (see metrics/host.py).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,10 +29,10 @@ import jax
 import numpy as np
 
 from maxmoe.config import Config, ConfigError, save_config, to_dict
-from maxmoe.validation import dcn_sizes
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.metrics.flops import flops_per_token, peak_flops
+from maxmoe.metrics.host import HostTiming
 from maxmoe.metrics.writers import MetricsWriter
 from maxmoe.model.transformer import layer_groups
 from maxmoe.parallel.pipeline import describe as describe_pipeline
@@ -42,128 +40,12 @@ from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.step import DIAGNOSTICS, make_trainer, writes_metrics
+from maxmoe.validation import dcn_sizes
 
 
 def log(msg: str) -> None:
     if jax.process_index() == 0:
         print(msg, file=sys.stderr, flush=True)
-
-
-class _HostTiming:
-    """Where the loop's wall time goes, measured without a device sync per step.
-
-    Per logging window, per step: `data_wait` is the time blocked in next(data_iter) (the
-    prefetch buffer was empty), `device_wait` the time blocked on a step's results. The
-    device is idle only while no step is queued; just before each dispatch the loop asks,
-    without blocking, whether the previous step has finished, and if so counts the time since
-    the device was last seen busy (a probe that found a step unfinished, or the end of a
-    wait that blocked) as idle. That is an upper bound, exact to one probe interval, and
-    `host_overhead_fraction` = idle / wall (0 while the host keeps a step queued).
-
-    On a CPU backend the host's threads also slow the step itself by sharing its cores:
-    `host_cpu_s` is the CPU time per step of the host side (see host_cpu_ns) and
-    `host_cpu_fraction` its share of the window's core time (wall x usable cores), the most
-    it can take from the step there. Issue 8: comparing the loop's step time with `maxmoe
-    bench` in another process could not resolve it (single comparisons from -24% to +19% on
-    a shared 2-core host).
-    """
-
-    def __init__(self):
-        self._latest = None  # an output of the newest dispatched step
-        self._busy_at = 0.0  # the last moment the device was known to have work
-        self._cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-            os.cpu_count() or 1)
-        self.reset()
-
-    def reset(self) -> None:
-        self.data_wait = self.device_wait = self.idle = 0.0
-        self._cpu = host_cpu_ns()
-
-    def probe(self) -> None:
-        """Non-blocking: notes that the device is busy if the newest step is unfinished."""
-        if self._latest is not None and not self._latest.is_ready():
-            self._busy_at = time.perf_counter()
-
-    def next_batch(self, data_iter):
-        t = time.perf_counter()
-        local = next(data_iter)
-        self.data_wait += time.perf_counter() - t
-        self.probe()
-        return local
-
-    def dispatching(self) -> None:
-        if self._latest is not None and self._latest.is_ready():
-            self.idle += time.perf_counter() - self._busy_at
-
-    def dispatched(self, metrics: dict) -> None:
-        self._latest, self._busy_at = metrics["loss"], time.perf_counter()
-
-    def fetch(self, metrics: dict) -> dict:
-        """The step's metrics on the host (blocks until the step has run)."""
-        t = time.perf_counter()
-        waited = not metrics["loss"].is_ready()
-        host = jax.device_get(metrics)
-        now = time.perf_counter()
-        self.device_wait += now - t
-        if waited:  # the device was busy until now (and the newest step is queued, or it)
-            self._busy_at = now
-        self.probe()
-        return host
-
-    def busy_now(self) -> None:
-        """The device just finished work of the loop's own (evaluation)."""
-        self._busy_at = time.perf_counter()
-
-    def window(self, steps: int, wall: float) -> dict:
-        """Per-step costs of the window that just ended, then starts a new one."""
-        n = max(steps, 1)
-        record = {"data_wait_s": self.data_wait / n,
-                  "host_time_s": max(wall - self.device_wait, 0.0) / n,
-                  "host_overhead_fraction": min(self.idle / wall, 1.0) if wall > 0 else 0.0}
-        now = host_cpu_ns()
-        if now is not None and self._cpu is not None:
-            # threads or workers that ended during the window are gone from `now`: their time
-            # since the window began is not counted (an undercount by at most that)
-            cpu = sum(max(v - self._cpu.get(k, 0), 0) for k, v in now.items()) / 1e9
-            record.update(host_cpu_s=cpu / n, host_cpu_fraction=min(
-                cpu / (wall * self._cores), 1.0) if wall > 0 else 0.0)
-        self.reset()
-        return record
-
-
-def _task_ns(task: str) -> int:
-    """CPU time (ns) a thread has run, from /proc/.../task/TID/schedstat (its first field)."""
-    with open(f"{task}/schedstat") as f:
-        return int(f.read().split()[0])
-
-
-def host_cpu_ns() -> dict | None:
-    """CPU time (ns) used so far by the host side of this process, keyed by thread or worker:
-    its Python threads (the loop, the data pipeline's readers and prefetch thread, checkpoint
-    writers) and its child processes (data workers, every thread of them). XLA's own threads
-    are not Python threads and are left out. None where Linux's /proc schedstat is missing."""
-    if not os.path.exists("/proc/self/schedstat"):
-        return None
-    out = {}
-    for thread in threading.enumerate():
-        try:
-            out[("thread", thread.native_id)] = _task_ns(f"/proc/self/task/{thread.native_id}")
-        except (OSError, TypeError):
-            continue  # it ended just now (or has not started: native_id None)
-    children = set()
-    for task in os.listdir("/proc/self/task"):
-        try:  # absent on kernels built without CONFIG_PROC_CHILDREN: workers not counted
-            with open(f"/proc/self/task/{task}/children") as f:
-                children.update(int(pid) for pid in f.read().split())
-        except OSError:
-            continue
-    for pid in children:
-        try:
-            out[("process", pid)] = sum(_task_ns(f"/proc/{pid}/task/{t}")
-                                        for t in os.listdir(f"/proc/{pid}/task"))
-        except OSError:
-            continue  # it exited just now
-    return out
 
 
 class _Preemption:
@@ -286,7 +168,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
                            progress_bar=cfg.logging.progress_bar)
     evaluate = make_evaluator(cfg, trainer, tokenizer) if cfg.train.eval_every_steps else None
     guard = Guard(cfg.guard, log)
-    timing = _HostTiming()
+    timing = HostTiming()
     summary = {"start_step": start, "first_loss": None, "preempted": False, "resume_s": resume_s,
                "save_blocking_s": []}
     window = {"start": None, "steps": 0}

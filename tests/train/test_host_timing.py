@@ -1,4 +1,4 @@
-"""The loop's host-side CPU accounting (loop._HostTiming, host_cpu_ns): Python threads and
+"""The loop's host-side CPU accounting (metrics.host: HostTiming, host_cpu_ns): Python threads and
 child processes count, XLA's own threads do not."""
 
 import subprocess
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from maxmoe.train.loop import _HostTiming, host_cpu_ns
+from maxmoe.metrics.host import HostTiming, host_cpu_ns
 
 pytestmark = pytest.mark.skipif(host_cpu_ns() is None, reason="needs Linux /proc schedstat")
 
@@ -29,7 +29,7 @@ def test_python_threads_count_and_xla_threads_do_not():
     f = jax.jit(lambda a: a @ a)
     x = jnp.ones((1024, 1024), jnp.float32)
     f(x).block_until_ready()
-    timing = _HostTiming()
+    timing = HostTiming()
     main0, process0, wall0 = time.thread_time(), time.process_time(), time.perf_counter()
     timing.reset()
     used, release = [], threading.Event()
@@ -54,7 +54,7 @@ def test_python_threads_count_and_xla_threads_do_not():
 
 def test_child_processes_count():
     """Data workers (grain's mp_prefetch) are child processes: their CPU is host CPU too."""
-    timing = _HostTiming()
+    timing = HostTiming()
     child = subprocess.Popen([sys.executable, "-c", (
         "import time, sys\n"
         "s = time.process_time()\n"
