@@ -16,8 +16,9 @@ here with jax/optax around EasyDeL's forward: next-token cross-entropy + 0.01 x 
 load-balancing loss + 0.001 x router z-loss (EasyDeL reads a z-loss coefficient but never adds
 it to the Mixtral loss), grads of all params, clip_by_global_norm(1.0) + adamw, state donated.
 Timing follows `maxmoe bench`: compile once, 2 warm-up steps, then --steps steps each ended by
-block_until_ready; median/min/max step time, tokens/s, MFU against the best of 10 float32
-2048^2 matmuls. The FLOPs formula and the peak are maxmoe's own (`flops_per_token` of
+block_until_ready; median/min/max step time, tokens/s, MFU against the best float32 2048^2
+matmul, sampled after every timed step and 10 times at the end (as `maxmoe bench` samples
+it). The FLOPs formula and the peak are maxmoe's own (`flops_per_token` of
 configs/bench/cpu_mixtral_tiny.yaml, `MatmulPeak`), imported from this checkout.
 Prints a summary to stderr and one JSON line on stdout.
 
@@ -175,13 +176,14 @@ def main() -> None:
             jax.block_until_ready(metrics)
             if i == 0:
                 first = {k: float(v) for k, v in metrics.items()}
-        times = []
+        times, meter = [], MatmulPeak(jnp.float32)
         for _ in range(args.steps):
             t = time.perf_counter()
             state, metrics = compiled(state, rest, batch)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t)
-    peak = MatmulPeak(jnp.float32).sample(10)
+            meter.sample()  # between the steps, as `maxmoe bench` does: see MatmulPeak
+    peak = meter.sample(10)
 
     sane = all(map(math.isfinite, first.values())) and abs(first["ce"] - math.log(VOCAB)) < 1.0
     median = float(np.median(times))
@@ -197,8 +199,8 @@ def main() -> None:
         f"step time      {1e3 * median:.1f} ms median of {args.steps} (min {1e3 * min(times):.1f}, "
         f"max {1e3 * max(times):.1f})",
         f"tokens/s       {r['tokens_per_second']:.0f}",
-        f"MFU            {100 * r['mfu']:.2f}% of {peak:.3e} FLOP/s (best float32 2048x2048 matmul "
-        f"of 10), model FLOPs/step {MODEL_FLOPS_PER_STEP:.4e}",
+        f"MFU            {100 * r['mfu']:.2f}% of {peak:.3e} FLOP/s ({meter.source()}), "
+        f"model FLOPs/step {MODEL_FLOPS_PER_STEP:.4e}",
         f"loss at init   {first['loss']:.4f} = ce {first['ce']:.4f} "
         f"(ln {VOCAB} = {math.log(VOCAB):.3f}) "
         f"+ {AUX_COEF} x balance {first['balance']:.4f} + {Z_COEF} x z {first['z']:.4f}"
