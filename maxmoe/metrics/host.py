@@ -106,8 +106,14 @@ def host_cpu_ns() -> dict | None:
     are not Python threads and are left out. None where Linux's /proc schedstat is missing."""
     if not os.path.exists("/proc/self/schedstat"):
         return None
-    out = {}
+    # the calling thread from its own clock: schedstat is brought up to date only when a
+    # thread is switched out or at a scheduler tick, and the caller is running (a window of one
+    # short step read 0 ns); every other thread's count is off by at most one tick
+    me = threading.get_native_id()
+    out = {("thread", me): time.thread_time_ns()}
     for thread in threading.enumerate():
+        if thread.native_id == me:
+            continue
         try:
             out[("thread", thread.native_id)] = _task_ns(f"/proc/self/task/{thread.native_id}")
         except (OSError, TypeError):

@@ -69,3 +69,17 @@ def test_child_processes_count():
         child.wait()
     # its 0.4 s spin plus its interpreter start-up, none of which is this thread's
     assert 0.4 <= record["host_cpu_s"] < 2.0, record
+
+
+def test_short_windows_count_the_calling_thread():
+    """The loop's own thread is read from its clock: its /proc schedstat moves only at a
+    scheduler tick or switch, so windows of one short step read 0 from it (9 in 10 here)."""
+    timing = HostTiming()
+    for _ in range(20):
+        used = time.thread_time()
+        start = time.perf_counter()
+        while time.perf_counter() - start < 0.001:  # ~1 ms, no clock read that updates schedstat
+            pass
+        record = timing.window(steps=1, wall=time.perf_counter() - start)
+        used = time.thread_time() - used  # this thread's CPU over the window, and a little more
+        assert record["host_cpu_s"] >= 0.5 * used, (record, used)
