@@ -32,6 +32,11 @@ from pathlib import Path
 import numpy as np
 
 
+# the loop's own per-window host figures (metrics.jsonl, maxmoe/metrics/host.py)
+LOOP_KEYS = ("data_wait_s", "host_time_s", "host_overhead_fraction", "host_cpu_s",
+             "host_cpu_fraction")
+
+
 def run(cmd: list[str], src: str | None, cwd: str) -> str:
     env = dict(os.environ)
     # only the first run of a source tree compiles; steady-state step times are unaffected
@@ -61,8 +66,7 @@ def loop_figures(run_dir: Path) -> dict:
         sys.exit(f"no steady-state window in {run_dir}: raise --steps")
     out = {"loop_step_s": float(np.median([r["step_time_s"] for r in steady])),
            "windows": len(steady)}
-    for key in ("data_wait_s", "host_time_s", "host_overhead_fraction", "host_cpu_s",
-                "host_cpu_fraction"):
+    for key in LOOP_KEYS:
         if all(key in r for r in steady):
             out[key] = float(np.median([r[key] for r in steady]))
     return out
@@ -96,9 +100,7 @@ def main() -> int:
                          bench_step_s=bench["step_time_s"],
                          host_overhead=1 - bench["step_time_s"] / r["loop_step_s"])
                 results.append(r)
-                extra = "".join(f" {k} {r[k]:.4f}" for k in (
-                    "data_wait_s", "host_time_s", "host_overhead_fraction", "host_cpu_s",
-                    "host_cpu_fraction") if k in r)
+                extra = "".join(f" {k} {r[k]:.4f}" for k in LOOP_KEYS if k in r)
                 print(f"[{repeat}] {r['imported']}: loop {r['loop_step_s']:.3f} s/step, bench "
                       f"{r['bench_step_s']:.3f} s/step, host overhead "
                       f"{100 * r['host_overhead']:.1f}%{extra}", file=sys.stderr, flush=True)
