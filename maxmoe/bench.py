@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from maxmoe import malloc
+
 USAGE = """\
 Benchmark the train step of a config (same CONFIG/KEY=VALUE arguments as `maxmoe train`).
 Batches are synthetic packed rows (uniform random tokens, 4 documents per row), so the figures
@@ -175,7 +177,7 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             "shared_state": run["reuse"],
             "model_flops_per_step": model_flops, "mfu": model_flops / step_time / peak,
             "peak_flops": peak, "peak_source": peak_source, "compile_time_s": run["compile_s"],
-            "devices": jax.device_count(),
+            "devices": jax.device_count(), "allocator": malloc.in_use(),
             "mesh": {k: v for k, v in run["sizes"].items() if v > 1},
             "loss": float(metrics["loss"]),
             "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **run["memory"],
@@ -264,7 +266,8 @@ def run(args) -> int:
     r = benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup, profile_dir=args.profile)
     gib = 2.0 ** 30
     lines = [
-        f"mesh           {r['mesh'] or '1 device'} ({r['devices']} devices)",
+        f"mesh           {r['mesh'] or '1 device'} ({r['devices']} devices), "
+        f"{r['allocator']} malloc",
         f"compile        {r['compile_time_s']:.1f} s",
         f"step time      {1e3 * r['step_time_s']:.1f} ms median of {args.steps} "
         f"(min {1e3 * r['step_time_min_s']:.1f}, max {1e3 * r['step_time_max_s']:.1f})",

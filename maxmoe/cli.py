@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 import time
 
+from maxmoe import malloc
 from maxmoe.config import ConfigError, load_config
 
 # modules with add_parser(subparsers) -> registers a subcommand whose default `run(args)`
@@ -76,35 +76,9 @@ def cmd_train(args) -> int:
     return EXIT_PREEMPTED if summary.get("preempted") else 0
 
 
-HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
-THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def reexec_with_huge_pages() -> None:
-    """Restarts this process (same pid, arguments and environment) with glibc's malloc asking
-    for transparent huge pages, where the kernel grants them only on request ("madvise").
-
-    XLA:CPU maps every step's temporaries afresh (355 MB at the reference shape of issue 8),
-    and touching them page by page cost 4 KiB page faults throughout the step: 2 MiB pages
-    made that step 1.12x faster (409 -> 365 ms). GLIBC_TUNABLES is read only at process start,
-    hence the exec. MAXMOE_HUGE_PAGES=0 opts out; other libcs ignore the tunable."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if (sys.platform != "linux" or os.environ.get("MAXMOE_HUGE_PAGES", "1") == "0"
-            or "glibc.malloc.hugetlb" in tunables):
-        return
-    try:
-        with open(THP_MODE) as f:
-            if "[madvise]" not in f.read():  # [always]: already on; [never]: not available
-                return
-    except OSError:
-        return
-    env = dict(os.environ, GLIBC_TUNABLES=f"{tunables}:{HUGE_PAGES_TUNABLE}".lstrip(":"))
-    os.execve(sys.executable, [sys.executable, "-m", "maxmoe.cli", *sys.argv[1:]], env)
-
-
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # run as the `maxmoe` program, not embedded
-        reexec_with_huge_pages()
+    if argv is None:  # run as the `maxmoe` program, not embedded: pick the allocator first
+        malloc.reexec(["-m", "maxmoe.cli", *sys.argv[1:]])
     parser = argparse.ArgumentParser(
         prog="maxmoe", description="Train Mixture-of-Experts language models with JAX.",
         epilog="Run 'maxmoe COMMAND --help' for the options of a command.")

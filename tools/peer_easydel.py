@@ -32,17 +32,12 @@ MFU uses maxmoe's model-FLOPs formula (active parameters) on both sides.
 import os
 import sys
 
-# as `maxmoe` does (maxmoe/cli.py): glibc malloc asks for huge pages when THP is madvise-only
-if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            madvise = "[madvise]" in f.read()
-    except OSError:
-        madvise = False
-    if madvise:
-        tunables = f"{os.environ.get('GLIBC_TUNABLES', '')}:glibc.malloc.hugetlb=1".lstrip(":")
-        os.execve(sys.executable, [sys.executable, *sys.argv],
-                  dict(os.environ, GLIBC_TUNABLES=tunables))
+# maxmoe from this checkout: its allocator choice first (maxmoe/malloc.py, standard library
+# only), so that both trainers run on the same malloc
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from maxmoe import malloc  # noqa: E402
+
+malloc.reexec(sys.argv)
 
 import argparse
 import importlib
@@ -74,7 +69,6 @@ from ejkernel.types import MaskInfo
 
 # maxmoe's own FLOPs formula and peak measurement (pure JAX, importable from this venv too), so
 # both sides of the comparison use one of each
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from maxmoe.config import load_config  # noqa: E402
 from maxmoe.metrics.flops import MatmulPeak, flops_per_token  # noqa: E402
 
@@ -191,10 +185,10 @@ def main() -> None:
              tokens_per_second=BATCH * SEQ / median, mfu=MODEL_FLOPS_PER_STEP / median / peak,
              peak_flops=peak, compile_time_s=compile_s, loss=first["loss"], attn=args.attn,
              moe=args.moe, packed_masking=True, easydel_version=easydel.__version__,
-             jax_version=jax.__version__)
+             jax_version=jax.__version__, allocator=malloc.in_use())
     print("\n".join([
         f"EasyDeL {easydel.__version__} MixtralForCausalLM, attn={args.attn} moe={args.moe}, "
-        f"jax {jax.__version__}, {jax.devices()[0].device_kind}",
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {r['allocator']} malloc",
         f"compile        {compile_s:.1f} s",
         f"step time      {1e3 * median:.1f} ms median of {args.steps} (min {1e3 * min(times):.1f}, "
         f"max {1e3 * max(times):.1f})",

@@ -1,0 +1,122 @@
+"""Which C allocator a `maxmoe` process runs on (standard library only: imported before JAX).
+
+XLA:CPU allocates each step's temporaries afresh (355 MB a step at the CPU reference shape of
+issue 8), and glibc's malloc gives blocks that large back to the kernel when they are freed, so
+every step page-faults its temporaries in again and the kernel zeroes them: 37 ms of system CPU
+a step there with 2 MiB pages (`glibc.malloc.hugetlb=1`: 424 faults a step), 119 ms with 4 KiB
+pages (60,000 faults). tcmalloc that never releases memory, or jemalloc that never purges it,
+keeps what a step freed for the next one: 0-5 faults and 2-3 ms of system CPU a step, and steps
+1.09x (tcmalloc) and 1.07-1.08x (jemalloc) as fast as glibc's with huge pages (median of the
+per-round ratios, two runs of 5-6 rounds in turns). The price: memory a process frees stays
+with it for reuse, so its resident size stays at its high-water mark.
+
+`reexec` restarts the process once (same pid) with the first allocator installed, in this
+order: tcmalloc, jemalloc (LD_PRELOAD is read by the loader at process start, hence the exec),
+else glibc's malloc asking for transparent huge pages where the kernel gives them only on
+request. MAXMOE_MALLOC chooses: auto (that order), tcmalloc, jemalloc, glibc, off (no restart).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+ENV = "MAXMOE_MALLOC"
+CHOICES = ("auto", "tcmalloc", "jemalloc", "glibc", "off")
+# library file, Debian/Ubuntu package, settings (each only where the user has not set it)
+PRELOADS = {
+    "tcmalloc": (("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), "libtcmalloc-minimal4", {
+        "TCMALLOC_RELEASE_RATE": "0",
+        # gperftools prints a line per allocation above 1 GiB (checkpoints, HF conversion)
+        "TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}),
+    "jemalloc": (("libjemalloc.so.2",), "libjemalloc2", {
+        "MALLOC_CONF": "thp:always,metadata_thp:auto,dirty_decay_ms:-1,muzzy_decay_ms:-1"}),
+}
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+class MallocError(Exception):
+    """MAXMOE_MALLOC names an unknown value or an allocator that is not installed."""
+
+
+def library_dirs() -> list[str]:
+    arch = f"{platform.machine()}-linux-gnu"
+    return [f"/usr/lib/{arch}", f"/lib/{arch}", "/usr/lib64", "/usr/lib", "/usr/local/lib",
+            os.path.join(sys.prefix, "lib")]
+
+
+def find(name: str) -> str | None:
+    """Path of allocator `name`'s shared library, or None."""
+    for directory in library_dirs():
+        for filename in PRELOADS[name][0]:
+            path = os.path.join(directory, filename)
+            if os.path.exists(path):
+                return path
+    return None
+
+
+def _preloaded(environ) -> bool:
+    return any(lib in environ.get("LD_PRELOAD", "") for lib in ("jemalloc", "tcmalloc", "mimalloc"))
+
+
+def _madvise_thp() -> bool:
+    try:
+        with open(THP_MODE) as f:
+            return "[madvise]" in f.read()  # [always]: on already; [never]: not available
+    except OSError:
+        return False
+
+
+def restart_env(environ) -> dict[str, str] | None:
+    """The environment to restart with, or None to run on as is."""
+    choice = environ.get(ENV, "auto")
+    if choice not in CHOICES:
+        raise MallocError(f"{ENV}={choice!r} is not one of {', '.join(CHOICES)}; "
+                          f"unset it to pick the fastest allocator installed")
+    if sys.platform != "linux" or choice == "off" or _preloaded(environ):
+        return None
+    names = {"auto": ("tcmalloc", "jemalloc"), "glibc": ()}.get(choice, (choice,))
+    for name in names:
+        path = find(name)
+        if path is None:
+            if choice == "auto":
+                continue
+            files, package, _ = PRELOADS[name]
+            raise MallocError(f"{ENV}={name} but {' / '.join(files)} is in none of "
+                              f"{', '.join(library_dirs())}: install it (Debian/Ubuntu: apt "
+                              f"install {package}) or unset {ENV}")
+        env = {**PRELOADS[name][2], **environ}
+        env["LD_PRELOAD"] = ":".join(p for p in (environ.get("LD_PRELOAD", ""), path) if p)
+        return env
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in tunables or not _madvise_thp():
+        return None
+    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES_TUNABLE}".lstrip(":")}
+
+
+def reexec(args: list[str]) -> None:
+    """Restart as `python ARGS` with the allocator `restart_env` picks (no return), or return.
+    A bad MAXMOE_MALLOC prints one line and exits with code 2."""
+    try:
+        env = restart_env(os.environ)
+    except MallocError as e:
+        print(f"maxmoe: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *args], env)
+
+
+def in_use() -> str:
+    """The allocator this process runs on, read from its mapped libraries."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return "system"
+    for name in ("tcmalloc", "jemalloc", "mimalloc"):
+        if f"lib{name}" in maps:
+            return name
+    huge = "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+    return "glibc (huge pages)" if huge else "glibc"
