@@ -2,13 +2,13 @@
 
 XLA:CPU allocates each step's temporaries afresh (355 MB a step at the CPU reference shape of
 issue 8), and glibc's malloc gives blocks that large back to the kernel when they are freed, so
-every step page-faults its temporaries in again and the kernel zeroes them: 37 ms of system CPU
-a step there with 2 MiB pages (`glibc.malloc.hugetlb=1`: 424 faults a step), 119 ms with 4 KiB
-pages (60,000 faults). tcmalloc that never releases memory, or jemalloc that never purges it,
-keeps what a step freed for the next one: 0-5 faults and 2-3 ms of system CPU a step, and steps
-1.09x (tcmalloc) and 1.07-1.08x (jemalloc) as fast as glibc's with huge pages (median of the
-per-round ratios, two runs of 5-6 rounds in turns). The price: memory a process frees stays
-with it for reuse, so its resident size stays at its high-water mark.
+every step page-faults its temporaries in again and the kernel zeroes them: 22-46 ms of system
+CPU a step there with 2 MiB pages (`glibc.malloc.hugetlb=1`: 225-424 faults a step), 119 ms with
+4 KiB pages (60,000 faults). tcmalloc that never releases memory, or jemalloc that never purges
+it, keeps what a step freed for the next one: 0-5 faults and 2-3 ms of system CPU a step, and
+steps 1.09-1.10x (tcmalloc) and 1.07-1.08x (jemalloc) as fast as glibc's with huge pages (median
+of the per-round ratios, two runs of 5-6 rounds in turns). The price: memory a process frees
+stays with it for reuse, so its resident size stays at its high-water mark.
 
 `reexec` restarts the process once (same pid) with the first allocator installed, in this
 order: tcmalloc, jemalloc (LD_PRELOAD is read by the loader at process start, hence the exec),
@@ -34,6 +34,7 @@ PRELOADS = {
         "MALLOC_CONF": "thp:always,metadata_thp:auto,dirty_decay_ms:-1,muzzy_decay_ms:-1"}),
 }
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")  # a user's own LD_PRELOAD of these is kept
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -58,7 +59,7 @@ def find(name: str) -> str | None:
 
 
 def _preloaded(environ) -> bool:
-    return any(lib in environ.get("LD_PRELOAD", "") for lib in ("jemalloc", "tcmalloc", "mimalloc"))
+    return any(name in environ.get("LD_PRELOAD", "") for name in PRELOADED)
 
 
 def _madvise_thp() -> bool:
@@ -115,8 +116,8 @@ def in_use() -> str:
             maps = f.read()
     except OSError:
         return "system"
-    for name in ("tcmalloc", "jemalloc", "mimalloc"):
+    for name in PRELOADED:
         if f"lib{name}" in maps:
             return name
-    huge = "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+    huge = HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "")
     return "glibc (huge pages)" if huge else "glibc"

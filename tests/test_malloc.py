@@ -116,6 +116,7 @@ def test_in_use_sees_a_real_preload(name):
     if REAL[name] is None:
         pytest.skip(f"{name} is not installed here")
     env = {**os.environ, "LD_PRELOAD": REAL[name]}
-    out = subprocess.run([sys.executable, "-c", "from maxmoe import malloc; print(malloc.in_use())"],
+    code = "from maxmoe import malloc; print(malloc.in_use())"
+    out = subprocess.run([sys.executable, "-c", code],
                          env=env, capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == name
