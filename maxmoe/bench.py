@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -32,11 +33,17 @@ time, its ratio to the first value (median over rounds of the two steps' ratio),
 compiled memory per device: arguments, outputs, temporaries, peak, and host-memory bytes."""
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time the train step (tokens/s, MFU, memory)",
                        description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="+", metavar="CONFIG_OR_KEY=VALUE")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compile (default 2)")
     p.add_argument("--sweep", metavar="KEY=V1,V2,...", default="",
                    help="benchmark each value of one config key; print a comparison table")
@@ -142,9 +149,13 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             step(run)
     for i in range(steps):
         for run in runs[i % len(runs):] + runs[:i % len(runs)]:  # each goes first in turn
+            before = resource.getrusage(resource.RUSAGE_SELF)  # all threads, XLA's included
             t = time.perf_counter()
             step(run)
             run["times"].append(time.perf_counter() - t)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            run["faults"] = run.get("faults", 0) + after.ru_minflt - before.ru_minflt
+            run["system_s"] = run.get("system_s", 0.0) + after.ru_stime - before.ru_stime
         for meter in meters.values():
             if meter is not None:
                 meter.sample()
@@ -178,6 +189,9 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             "model_flops_per_step": model_flops, "mfu": model_flops / step_time / peak,
             "peak_flops": peak, "peak_source": peak_source, "compile_time_s": run["compile_s"],
             "devices": jax.device_count(), "allocator": malloc.in_use(),
+            # the kernel's share: page faults and system CPU time a timed step (malloc.py)
+            "minor_faults_per_step": run["faults"] / steps,
+            "system_cpu_s_per_step": run["system_s"] / steps,
             "mesh": {k: v for k, v in run["sizes"].items() if v > 1},
             "loss": float(metrics["loss"]),
             "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **run["memory"],
@@ -266,8 +280,9 @@ def run(args) -> int:
     r = benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup, profile_dir=args.profile)
     gib = 2.0 ** 30
     lines = [
-        f"mesh           {r['mesh'] or '1 device'} ({r['devices']} devices), "
-        f"{r['allocator']} malloc",
+        f"mesh           {r['mesh'] or '1 device'} ({r['devices']} devices)",
+        f"host           {r['allocator']} malloc: {r['minor_faults_per_step']:.0f} page faults and "
+        f"{1e3 * r['system_cpu_s_per_step']:.1f} ms of system CPU a step",
         f"compile        {r['compile_time_s']:.1f} s",
         f"step time      {1e3 * r['step_time_s']:.1f} ms median of {args.steps} "
         f"(min {1e3 * r['step_time_min_s']:.1f}, max {1e3 * r['step_time_max_s']:.1f})",

@@ -2,6 +2,7 @@
 step to the named model parts (metrics/profile.py)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from maxmoe import malloc
 from maxmoe.bench import benchmark
 from maxmoe.config import load_config
 from maxmoe.metrics.flops import flops_per_token
@@ -92,6 +94,10 @@ def test_bench_figures_and_profile_breakdown(tmp_path):
     # the CPU peak: the best matmul of one run per timed round (2) and 10 after them
     assert r["peak_source"] == "best float32 2048x2048 matmul of 12 on this host"
     assert r["peak_bytes"] > 0
+    # the kernel's share of the timed steps (all threads): this test process runs on glibc
+    assert r["allocator"] == malloc.in_use() and r["allocator"].startswith("glibc")
+    assert r["minor_faults_per_step"] >= 0
+    assert 0 <= r["system_cpu_s_per_step"] < 2 * os.cpu_count() * r["step_time_s"]
     json.dumps(r)  # the last line bench prints
     parts = {row["part"]: row for row in r["profile"]["parts"]}
     # every named part of the model ran and was seen, forward and backward

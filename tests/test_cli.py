@@ -63,3 +63,10 @@ def test_bad_sweep_is_refused_before_anything_compiles(args, expected, capsys):
     assert main(["bench", "configs/tiny.yaml", *args]) == 2
     captured = capsys.readouterr()
     assert expected in captured.err and "step ms" not in captured.err and not captured.out
+
+
+@pytest.mark.parametrize("steps", ["0", "-3", "ten"])
+def test_bench_steps_must_be_a_positive_count(steps):
+    out = run_cli("bench", "configs/tiny.yaml", "--steps", steps)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"argument --steps: '{steps}' is not a whole number of at least 1" in out.stderr
