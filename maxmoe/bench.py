@@ -130,7 +130,8 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             compiled = trainer.jitted_step.lower(shared[key]["state"], batch).compile()
         runs.append(dict(cfg=cfg, sizes=sizes, trainer=trainer, compiled=compiled, batch=batch,
                          holder=shared[key], compile_s=time.perf_counter() - t,
-                         memory=memory_analysis(compiled), times=[], reuse=reuse))
+                         memory=memory_analysis(compiled), times=[], reuse=reuse,
+                         faults=0, system_s=0.0))
 
     def step(run):
         with use_mesh(run["trainer"].mesh, run["trainer"].rules):
@@ -154,8 +155,8 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             step(run)
             run["times"].append(time.perf_counter() - t)
             after = resource.getrusage(resource.RUSAGE_SELF)
-            run["faults"] = run.get("faults", 0) + after.ru_minflt - before.ru_minflt
-            run["system_s"] = run.get("system_s", 0.0) + after.ru_stime - before.ru_stime
+            run["faults"] += after.ru_minflt - before.ru_minflt
+            run["system_s"] += after.ru_stime - before.ru_stime
         for meter in meters.values():
             if meter is not None:
                 meter.sample()

@@ -1,7 +1,9 @@
 """`maxmoe bench` under each C allocator (MAXMOE_MALLOC), in turns, issue 8.
 
-    python tools/bench_malloc.py [configs/bench/cpu_mixtral_tiny.yaml] [--rounds 5] [--steps 30]
-        [--choices glibc,tcmalloc,jemalloc] [KEY=VALUE ...]
+    python tools/bench_malloc.py [CONFIG KEY=VALUE ...] [--rounds 5] [--steps 30]
+        [--choices glibc,tcmalloc,jemalloc]
+
+(CONFIG and overrides as for `maxmoe bench`; none: configs/bench/cpu_mixtral_tiny.yaml.)
 
 Each round runs one fresh `maxmoe bench CONFIG --steps STEPS` per allocator, each round in
 another order, so a shared host's load changes fall on all alike; prints every run (the
