@@ -1,9 +1,12 @@
 """Model FLOPs per token and the peak FLOP/s that MFU is measured against.
 
 MFU = (model FLOPs per token x tokens per second) / (peak FLOP/s of all devices used).
-Model FLOPs follow the PaLM convention: 6 x (active params, incl. LM head, excl. the embedding
-lookup; MTP depths added) + 6 x layers x heads x (qk + v head dims) x seq (attention scores and
-values, forward + backward, non-causal count). Rematerialisation is not counted (not useful work).
+Model FLOPs per token (FLOP_CONVENTION, the README derives it next to MaxText's and Megatron's):
+6 x active params (incl. the LM head, router and norms, excl. the embedding lookup; MTP depths
+added) + 3 x layers x heads x (qk + v head dims) x seq for the attention scores and values,
+forward + backward, counted causally: half of the full S x S product, as MaxText
+(`calculate_tflops_training_per_device`) and Megatron-Core count it, and as the blocked CPU
+attention computes it. Rematerialisation is not counted (not useful work).
 """
 
 from __future__ import annotations
@@ -64,17 +67,26 @@ def mtp_active_params_per_token(cfg: Config) -> int:
     return cfg.model.mtp_depth * per_depth
 
 
-def flops_per_token(cfg: Config) -> float:
+FLOP_CONVENTION = "6 x active params + causal attention (half of S^2; MaxText/Megatron)"
+
+
+def attention_flops_per_token(cfg: Config) -> float:
+    """Attention-core FLOPs (q.k scores and p.v values, forward + backward) a token costs over
+    all layers and MTP depths: 6 x heads x (qk + v) x seq per layer for the full S x S product,
+    halved for the causal mask."""
     a, m = cfg.attention, cfg.model
     if a.kind == "mla":
         qk, v = a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
     else:
         qk = v = a.head_dim
-    # scores (q.k) and values (p.v), forward + backward: 6 x heads x (qk + v) x seq per layer
     layers = m.num_layers + m.mtp_depth
-    attention_scores = 6 * layers * a.num_heads * (qk + v) * cfg.data.seq_len
+    return 6 * layers * a.num_heads * (qk + v) * cfg.data.seq_len / 2
+
+
+def flops_per_token(cfg: Config) -> float:
+    """Model FLOPs per trained token (FLOP_CONVENTION)."""
     params = active_params_per_token(cfg) + mtp_active_params_per_token(cfg)
-    return 6.0 * params + attention_scores
+    return 6.0 * params + attention_flops_per_token(cfg)
 
 
 class MatmulPeak:

@@ -1,0 +1,52 @@
+"""The model-FLOPs count MFU is measured with agrees with MaxText's
+`calculate_tflops_training_per_device` (maxtext_utils.py), the convention the README documents."""
+
+import pytest
+
+from maxmoe.config import load_config
+from maxmoe.metrics.flops import attention_flops_per_token, flops_per_token
+
+REFERENCE = "configs/bench/cpu_mixtral_tiny.yaml"
+# MaxText's own count for the CPU reference shape (Mixtral-style decoder, dropless MoE, causal
+# attention halved), for the whole step on its one device
+MAXTEXT_STEP_FLOPS = 4.842e10
+
+
+def maxtext_training_flops(cfg) -> float:
+    """MaxText's training FLOPs for one device, written out from its formula for a GQA decoder
+    with a softmax-routed dropless MoE: 3 x (forward matmuls of every layer + the LM head) + 3 x
+    causal attention; its embedding FLOPs are the LM head's, norms are not counted."""
+    m, a, e = cfg.model, cfg.attention, cfg.moe
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len  # per device: one device here
+    d, hd = m.hidden_size, a.head_dim
+    gate = 2 * tokens * d * e.num_experts
+    ffn = 2 * tokens * e.expert_mlp_size * d * 3  # gate and up (two activations) + down
+    qkv = 2 * tokens * d * (a.num_heads + 2 * a.num_kv_heads) * hd
+    projection = 2 * tokens * d * a.num_heads * hd
+    embedding = 2 * tokens * d * m.vocab_size
+    noncausal = 4 * cfg.data.global_batch_size * cfg.data.seq_len**2 * a.num_heads * hd
+    learnable = ((gate + ffn * e.experts_per_token + qkv + projection) * m.num_layers + embedding) * 3
+    return learnable + noncausal / 2 * m.num_layers * 3
+
+
+def test_reference_shape_matches_maxtext_within_one_percent():
+    cfg, _ = load_config([REFERENCE])
+    assert cfg.model.num_dense_layers == 0 and cfg.moe.num_shared_experts == 0  # what the formula covers
+    assert maxtext_training_flops(cfg) == pytest.approx(MAXTEXT_STEP_FLOPS, rel=1e-3)
+    ours = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
+    assert ours == pytest.approx(MAXTEXT_STEP_FLOPS, rel=0.01)
+
+
+@pytest.mark.parametrize("preset", ["configs/models/tiny_deepseek_v3.yaml",
+                                    "configs/models/tiny_mixtral.yaml"])
+def test_attention_is_counted_causally(preset):
+    """Scores and values over a causal S x S triangle: half of the full product's 2 x S x (qk + v)
+    FLOPs a head and token forward, x3 with the backward; doubling S doubles it per token."""
+    cfg, _ = load_config(["configs/tiny.yaml", preset])
+    a, m, s = cfg.attention, cfg.model, cfg.data.seq_len
+    qk, v = ((a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if a.kind == "mla"
+             else (a.head_dim, a.head_dim))
+    full = 3 * 2 * s * (qk + v) * a.num_heads * (m.num_layers + m.mtp_depth)
+    assert attention_flops_per_token(cfg) == pytest.approx(full / 2)
+    longer, _ = load_config(["configs/tiny.yaml", preset], [f"data.seq_len={2 * s}"])
+    assert attention_flops_per_token(longer) == pytest.approx(2 * attention_flops_per_token(cfg))
