@@ -33,7 +33,8 @@ def run(args) -> int:
     """Trains to train.steps; prints one JSON summary (process 0). Exit 0, or EXIT_PREEMPTED
     when SIGTERM stopped it after a save."""
     cfg, sizes = configure(args.items)
-    import jax  # late, with the training loop: keeps `maxmoe --help` free of JAX
+    # late: JAX and the training loop; keeps `maxmoe --help` free of them
+    import jax
 
     from maxmoe.train.loop import train
 
