@@ -46,6 +46,24 @@ def test_error_names_the_file(tmp_path, capsys):
     assert f"config key 'moe.num_experts' = 6 (from {bad})" in err, err
 
 
+HELP_ARGVS = [["--help"], ["train", "--help"], ["bench", "--help"], ["data", "--help"],
+              ["data", "prepare", "--help"], ["convert", "to-hf", "--help"], ["forward", "--help"]]
+
+
+def test_help_imports_no_jax():
+    """`maxmoe --help` and every verb's --help build the whole parser without importing JAX,
+    so help comes back in a blink (the command modules import their library inside `run`)."""
+    code = ("import sys\nfrom maxmoe.cli import main\n"
+            f"for argv in {HELP_ARGVS!r}:\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n"
+            "        assert e.code == 0, (argv, e.code)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
 def test_bare_command_prints_usage():
     out = run_cli()
     assert out.returncode == 2 and "usage" in out.stdout

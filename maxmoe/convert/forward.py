@@ -1,38 +1,26 @@
-"""`maxmoe forward CKPT_DIR --input ids.npy --output logits.npy`: one forward pass on one device.
+"""One forward pass of a checkpoint on one device: the check of a conversion (`maxmoe forward`,
+maxmoe/commands/forward.py, runs it).
 
-The tool to check a conversion: token ids [B, S] (or [S]) in, logits [B, S, V] float32 out,
-computed in float32 unless --dtype says otherwise (bfloat16 flips experts at routing boundaries).
+Computed in float32 unless told otherwise (bfloat16 flips experts at routing boundaries).
 """
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("forward", help="run a checkpoint on token ids, save the logits",
-                              description=__doc__.split("\n", 1)[1].strip())
-    p.add_argument("ckpt_dir", help="a 'convert from-hf' output or a training run directory")
-    p.add_argument("--input", required=True, help=".npy of int token ids [B, S] or [S]")
-    p.add_argument("--output", required=True, help=".npy to write the float32 logits to")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="compute dtype (params are float32 either way)")
-    p.set_defaults(run=run)
+from maxmoe.convert.checkpoint_io import load_converted
+from maxmoe.train.step import build_model
 
 
 def forward_logits(ckpt_dir, ids, dtype: str = "float32"):
-    """ids [B, S] int -> logits [B, S, V] float32 numpy."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from maxmoe.convert.checkpoint_io import load_converted
-    from maxmoe.train.step import build_model
-
+    """ids [B, S] int -> logits [B, S, V] float32 numpy, with the checkpoint in `ckpt_dir` (a
+    'convert from-hf' output or a training run directory) computed in `dtype`."""
     cfg, params, _, _ = load_converted(Path(ckpt_dir))
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg, 0)))
@@ -45,29 +33,3 @@ def forward_logits(ckpt_dir, ids, dtype: str = "float32"):
         return model(ids, jnp.ones_like(ids), positions)[0]
 
     return np.asarray(run(model, ids, positions), np.float32)
-
-
-def run(args) -> int:
-    import numpy as np
-
-    from maxmoe.convert.safetensors_io import ConversionError
-
-    if not Path(args.input).is_file():
-        print(f"maxmoe: error: --input {args.input!r}: not found; pass a .npy of token ids",
-              file=sys.stderr)
-        return 2
-    ids = np.load(args.input)
-    if ids.ndim == 1:
-        ids = ids[None]
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        print(f"maxmoe: error: --input {args.input!r}: expected integer ids [B, S] or [S], got "
-              f"{ids.dtype} {list(ids.shape)}", file=sys.stderr)
-        return 2
-    try:
-        logits = forward_logits(args.ckpt_dir, ids, args.dtype)
-    except ConversionError as e:
-        print(f"maxmoe: error: {e}", file=sys.stderr)
-        return 2
-    np.save(args.output, logits)
-    print(f"maxmoe forward: logits {list(logits.shape)} -> {args.output}", file=sys.stderr)
-    return 0

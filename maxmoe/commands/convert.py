@@ -1,4 +1,7 @@
-"""`maxmoe convert from-hf HF_DIR OUT_DIR` and `maxmoe convert to-hf CKPT_DIR OUT_DIR`."""
+"""`maxmoe convert from-hf HF_DIR OUT_DIR` and `maxmoe convert to-hf CKPT_DIR OUT_DIR`.
+
+The conversions themselves are maxmoe/convert/from_hf.py and maxmoe/convert/to_hf.py.
+"""
 
 from __future__ import annotations
 
@@ -37,17 +40,17 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    """Converts one checkpoint; exit 0, or 2 with one line when the input cannot be converted."""
+    # late: the conversions import JAX; keeps `maxmoe --help` free of it
+    from maxmoe.convert.from_hf import convert_from_hf
     from maxmoe.convert.safetensors_io import ConversionError
+    from maxmoe.convert.to_hf import convert_to_hf
 
     t = time.perf_counter()
     try:
         if args.direction == "from-hf":
-            from maxmoe.convert.from_hf import convert_from_hf
-
             convert_from_hf(args.hf_dir, args.out_dir)
         else:
-            from maxmoe.convert.to_hf import convert_to_hf
-
             convert_to_hf(args.ckpt_dir, args.out_dir, args.dtype,
                           int(args.max_shard_gb * 2**30))
     except ConversionError as e:

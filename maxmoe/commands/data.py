@@ -1,7 +1,7 @@
 """`maxmoe data tokenizer|prepare`: the command line of the data preparation tools.
 
-Registered in maxmoe/cli.py (SUBCOMMAND_MODULES). User mistakes raise ConfigError, which the
-main command prints as one line with exit code 2.
+The tools themselves are maxmoe/data/ (tokenizer.py, prepare.py). User mistakes raise
+ConfigError, which maxmoe/cli.py prints as one line with exit code 2.
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 from maxmoe.config import ConfigError
+from maxmoe.data.corpus import unit_hash
+from maxmoe.data.filters import FilterOptions
+from maxmoe.data.sources import InputOptions, ReadErrors, list_inputs, read_documents
 
 USAGE = """\
 Prepare training data. Typical use:
@@ -99,16 +102,14 @@ def _input_arguments(parser) -> None:
                        help="plain text: a document per file (default) or per line")
 
 
-def _input_options(args):
-    from maxmoe.data.sources import InputOptions
-
+def _input_options(args) -> InputOptions:
     return InputOptions(input_format=args.input_format, json_field=args.json_field,
                         parquet_column=args.parquet_column, text_document=args.text_document)
 
 
 def run_tokenizer(args) -> int:
-    from maxmoe.data.corpus import unit_hash
-    from maxmoe.data.sources import ReadErrors, list_inputs, read_documents
+    """Trains OUT/tokenizer.model on a sample of INPUTS; exit 0, or ConfigError."""
+    # late: SentencePiece, needed by this command only; keeps `maxmoe --help` fast
     from maxmoe.data.tokenizer import MODEL_FILE, sentence_chunks, train_model
 
     if args.vocab_size < 16:
@@ -153,8 +154,9 @@ def run_tokenizer(args) -> int:
 
 
 def run_prepare(args) -> int:
+    """Writes the shards and manifest of INPUTS under --out; exit 0, or ConfigError."""
+    # late: NumPy, SentencePiece and tqdm, needed by this command only; keeps `maxmoe --help` fast
     from maxmoe.data.dedup import DedupOptions
-    from maxmoe.data.filters import FilterOptions
     from maxmoe.data.prepare import PrepareOptions, prepare
 
     languages = tuple(code.strip() for code in args.languages.split(",") if code.strip())

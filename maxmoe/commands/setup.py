@@ -1,0 +1,30 @@
+"""Set-up shared by the verbs that run a config (train, bench): load, start devices, validate."""
+
+from __future__ import annotations
+
+from maxmoe.config import load_config
+from maxmoe.distributed import initialize
+
+
+def configure(items: list[str]):
+    """CONFIG files and KEY=VALUE overrides (any order) -> (Config, mesh sizes by axis name).
+
+    Loads and validates the config, sets the fake CPU device count and joins jax.distributed,
+    all before anything compiles, so a user mistake costs no compile time. Raises ConfigError.
+    """
+    files = [a for a in items if "=" not in a]
+    overrides = [a for a in items if "=" in a]
+    cfg, origins = load_config(files, overrides)
+    import jax  # late: keeps `maxmoe --help` free of JAX (every command module imports this)
+
+    if cfg.mesh.cpu_devices:
+        try:
+            jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+        except RuntimeError:  # backend already started (e.g. embedded use): keep its devices
+            pass
+    initialize(cfg.distributed)
+    # late: imports the model (JAX, Flax); loaded once the device count and jax.distributed are set
+    from maxmoe.validation import validate
+
+    sizes = validate(cfg, jax.device_count(), origins, jax.process_count())
+    return cfg, sizes

@@ -1,0 +1,152 @@
+"""The maxmoe package's import graph has no cycle, counting imports inside functions too.
+
+A cycle works only while every module in it happens to import the others' names late; one
+import moved to the top of a file then breaks at start-up. The graph is read with `ast`, so
+this test imports nothing it checks.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import deque
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "maxmoe"
+
+
+def module_names(package: Path) -> dict[str, Path]:
+    """Dotted name -> file of every module of `package` (a package is its __init__.py)."""
+    names = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _known(name: str, modules) -> str | None:
+    """`name`, else its longest dotted prefix that is a module of ours, else None."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(source: str, module: str, is_package: bool, modules) -> dict[str, int]:
+    """The modules of ours that `module` imports anywhere in `source` (top level, functions,
+    classes) -> the line of the first such import. `from a.b import c` counts as `a.b.c` when
+    that is a module, else as `a.b`; relative imports are resolved against `module`."""
+    found: dict[str, int] = {}
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [_known(alias.name, modules) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            targets = [_known(f"{base}.{alias.name}", modules) or _known(base, modules)
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target is not None and target != module:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, dict[str, int]]:
+    """Module -> {imported module of ours: line} for every module of `package`."""
+    modules = module_names(package)
+    return {name: imports_of(path.read_text(), name, path.name == "__init__.py", modules)
+            for name, path in modules.items()}
+
+
+def cycles(graph) -> list[list[str]]:
+    """One cycle [a, b, ..., a] per strongly connected component of `graph` (node -> iterable
+    of nodes) that has one, each as short as a breadth-first search from its smallest node
+    finds; [] when the graph is acyclic. Tarjan's algorithm, iterative."""
+    index, low, on_stack, stack, components = {}, {}, set(), [], []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph.get(succ, ())))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    if len(component) > 1 or node in graph.get(node, ()):
+                        components.append(component)
+    found = []
+    for component in components:
+        start = min(component)
+        parent, queue = {start: None}, deque([start])
+        while queue:
+            node = queue.popleft()
+            if start in graph.get(node, ()):
+                path = [node]
+                while parent[path[-1]] is not None:
+                    path.append(parent[path[-1]])
+                found.append([*reversed(path), start])
+                break
+            for succ in sorted(graph.get(node, ())):
+                if succ in component and succ not in parent:
+                    parent[succ] = node
+                    queue.append(succ)
+    return sorted(found)
+
+
+def describe(cycle: list[str], graph, package: Path = PACKAGE) -> str:
+    """`a -> b (a's file:line) -> ... -> a`: where each import of the cycle is."""
+    files = module_names(package)
+    steps = [cycle[0]]
+    for a, b in zip(cycle, cycle[1:]):
+        steps.append(f"{b} ({files[a].relative_to(package.parent)}:{graph[a][b]})")
+    return " -> ".join(steps)
+
+
+def test_cycle_finder_finds_every_cycle_and_only_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    graph = {"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": set(), "e": {"a", "f"}, "f": {"e"},
+             "g": {"g"}}
+    assert cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"], ["g", "g"]]
+
+
+def test_imports_inside_functions_and_relative_imports_count():
+    modules = {"maxmoe", "maxmoe.config", "maxmoe.malloc", "maxmoe.model", "maxmoe.model.layers",
+               "maxmoe.model.rope", "maxmoe.sharding", "maxmoe.model.mla"}
+    source = ("import os\nfrom maxmoe.config import ConfigError\n"
+              "def f():\n    from maxmoe import malloc\n    import maxmoe.model.layers\n"
+              "class C:\n    def g(self):\n        from . import rope\n"
+              "        from ..sharding import shard\n")
+    assert imports_of(source, "maxmoe.model.mla", False, modules) == {
+        "maxmoe.config": 2, "maxmoe.malloc": 4, "maxmoe.model.layers": 5,
+        "maxmoe.model.rope": 8, "maxmoe.sharding": 9}
+
+
+def test_package_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "maxmoe.cli" in graph and graph["maxmoe.cli"], "the graph reads no imports"
+    found = cycles(graph)
+    assert not found, "import cycles in maxmoe:\n" + "\n".join(describe(c, graph) for c in found)
