@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from maxmoe import malloc
-from maxmoe.metrics.flops import flops_per_token, peak_flops, peak_meter
+from maxmoe.metrics.flops import FLOP_CONVENTION, flops_per_token, peak_flops, peak_meter
 from maxmoe.metrics.profile import breakdown
 from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.step import make_trainer, writes_metrics
@@ -148,7 +148,8 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),
             "paired_ratio": float(np.median(times / base)), "step_times_s": times.tolist(),
             "shared_state": run["reuse"],
-            "model_flops_per_step": model_flops, "mfu": model_flops / step_time / peak,
+            "model_flops_per_step": model_flops, "flop_convention": FLOP_CONVENTION,
+            "mfu": model_flops / step_time / peak,
             "peak_flops": peak, "peak_source": peak_source, "compile_time_s": run["compile_s"],
             "devices": jax.device_count(), "allocator": malloc.in_use(),
             # the kernel's share: page faults and system CPU time a timed step (malloc.py)
@@ -157,9 +158,18 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
             "mesh": {k: v for k, v in run["sizes"].items() if v > 1},
             "loss": float(metrics["loss"]),
             "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **run["memory"],
+            **device_peak_bytes(),
             **({"profile": breakdown} if breakdown is not None and run is runs[0] else {}),
         })
     return results
+
+
+def device_peak_bytes() -> dict[str, int]:
+    """{"device_peak_bytes": the most memory the first device has held so far in this process}
+    where the backend reports it (GPU), else {}: what was really allocated, next to XLA's
+    compile-time estimate. It never resets, so compare variants in separate processes."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"device_peak_bytes": int(stats["peak_bytes_in_use"])} if "peak_bytes_in_use" in stats else {}
 
 
 PROFILE_STEPS = 3

@@ -15,7 +15,7 @@ from flax import nnx
 from maxmoe import malloc
 from maxmoe.bench import benchmark
 from maxmoe.config import load_config
-from maxmoe.metrics.flops import flops_per_token
+from maxmoe.metrics.flops import FLOP_CONVENTION, flops_per_token
 from maxmoe.metrics.profile import (COLLECTIVES, _innermost, _share, categorize,
                                     collective_instructions, matmul_instructions, op_names)
 from maxmoe.train.step import build_model
@@ -90,6 +90,8 @@ def test_bench_figures_and_profile_breakdown(tmp_path):
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     assert r["tokens_per_second"] == pytest.approx(tokens / r["step_time_s"])
     assert r["model_flops_per_step"] == pytest.approx(flops_per_token(cfg) * tokens)
+    assert r["flop_convention"] == FLOP_CONVENTION and "causal" in r["flop_convention"]
+    assert "device_peak_bytes" not in r  # XLA:CPU reports no device memory statistics
     assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / r["step_time_s"] / r["peak_flops"])
     # the CPU peak: the best matmul of one run per timed round (2) and 10 after them
     assert r["peak_source"] == "best float32 2048x2048 matmul of 12 on this host"

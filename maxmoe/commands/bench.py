@@ -112,13 +112,16 @@ def run(args) -> int:
         f"step time      {1e3 * r['step_time_s']:.1f} ms median of {args.steps} "
         f"(min {1e3 * r['step_time_min_s']:.1f}, max {1e3 * r['step_time_max_s']:.1f})",
         f"tokens/s       {r['tokens_per_second']:.0f}",
-        f"model FLOPs    {r['model_flops_per_step']:.3e} per step",
+        f"model FLOPs    {r['model_flops_per_step']:.3e} per step ({r['flop_convention']})",
         f"MFU            {100 * r['mfu']:.1f}% of {r['peak_flops']:.3e} FLOP/s ({r['peak_source']})",
     ]
     if "peak_bytes" in r:
         lines.append(f"memory/device  peak {r['peak_bytes'] / gib:.3f} GiB = arguments "
                      f"{r['argument_bytes'] / gib:.3f} + outputs {r['output_bytes'] / gib:.3f} "
                      f"- aliased {r['alias_bytes'] / gib:.3f} + temporaries {r['temp_bytes'] / gib:.3f}")
+    if "device_peak_bytes" in r:
+        lines.append(f"device peak    {r['device_peak_bytes'] / gib:.3f} GiB in use at most "
+                     "(the device's own count)")
     pipeline_line = describe(cfg.model, sizes["pipeline"], [n for _, _, n in layer_groups(cfg.model)])
     if pipeline_line:
         lines.append(pipeline_line)
