@@ -295,10 +295,9 @@ def run(args) -> int:
         lines.append(f"memory/device  peak {r['peak_bytes'] / gib:.3f} GiB = arguments "
                      f"{r['argument_bytes'] / gib:.3f} + outputs {r['output_bytes'] / gib:.3f} "
                      f"- aliased {r['alias_bytes'] / gib:.3f} + temporaries {r['temp_bytes'] / gib:.3f}")
-    from maxmoe.model.transformer import layer_groups
-    from maxmoe.parallel.pipeline import describe
+    from maxmoe.model.spec import describe_pipeline
 
-    pipeline_line = describe(cfg.model, sizes["pipeline"], [n for _, _, n in layer_groups(cfg.model)])
+    pipeline_line = describe_pipeline(cfg.model, sizes["pipeline"])
     if pipeline_line:
         lines.append(pipeline_line)
     if "profile" in r:

@@ -31,7 +31,7 @@ def forward_logits(ckpt_dir, ids, dtype: str = "float32"):
     from flax import nnx
 
     from maxmoe.convert.checkpoint_io import load_converted
-    from maxmoe.train.step import build_model
+    from maxmoe.model.transformer import build_model
 
     cfg, params, _, _ = load_converted(Path(ckpt_dir))
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))

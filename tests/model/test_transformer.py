@@ -15,7 +15,7 @@ from flax import nnx
 
 from maxmoe.model.moe import MoE
 from maxmoe.parallel.experts import routed_experts
-from maxmoe.train.step import build_model
+from maxmoe.model.transformer import build_model
 from tests.helpers import random_batch, small_config, stacked
 
 
