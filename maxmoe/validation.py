@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from maxmoe.config import MESH_AXES, REMAT_POLICY_NAMES, Config, fail
-from maxmoe.model.transformer import layer_groups
+from maxmoe.model.spec import layer_groups, pipeline_schedule
 
 
 def resolve_mesh_shape(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str, int]:
@@ -198,12 +198,13 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
         need(m.scan_layers, "model.scan_layers", f"mesh.pipeline={stages} splits stacked "
              "layers into stages; scan_layers=false keeps each layer's params apart",
              "set model.scan_layers=true (or mesh.pipeline=1)")
-        repeats = m.pipeline_repeats if m.pipeline_schedule == "circular" else 1
+        schedule = pipeline_schedule(m, stages)
         sizes_of_groups = [n for _, _, n in layer_groups(m)]
-        need(any(n % (stages * repeats) == 0 for n in sizes_of_groups), "mesh.pipeline",
+        need(any(schedule.pipelines(n) for n in sizes_of_groups), "mesh.pipeline",
              f"no run of same-kind layers (sizes {sizes_of_groups}) divides into {stages} stages"
-             f" x {repeats} repeats", "change mesh.pipeline, model.pipeline_repeats or the layers")
-        micro = stages if repeats > 1 else (m.pipeline_microbatches or stages)
+             f" x {schedule.repeats} repeats",
+             "change mesh.pipeline, model.pipeline_repeats or the layers")
+        micro = schedule.microbatches
         per_step = d.global_batch_size // t.grad_accum_steps
         need(per_step % (micro * math.prod(sizes[ax] for ax in cfg.mesh.rules["batch"])) == 0,
              "data.global_batch_size", f"each of the {micro} pipeline microbatches needs a "

@@ -9,7 +9,7 @@ from flax import nnx
 from maxmoe.config import load_config
 from maxmoe.validation import dcn_sizes, validate
 from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
-from maxmoe.train.step import build_model
+from maxmoe.model.transformer import build_model
 
 SMALL = [
     "model.vocab_size=256", "model.hidden_size=64", "model.num_layers=3", "model.num_dense_layers=1",

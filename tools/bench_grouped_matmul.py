@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxmoe.parallel.experts import dropless_local
+from maxmoe.kernels.grouped_matmul import dropless_local
 
 
 def timed(f, *args, repeats=20):

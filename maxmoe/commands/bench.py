@@ -99,8 +99,7 @@ def run(args) -> int:
     # late: these import JAX; keeps `maxmoe --help` free of it
     from maxmoe.bench import PROFILE_STEPS, benchmark
     from maxmoe.metrics.profile import table
-    from maxmoe.model.transformer import layer_groups
-    from maxmoe.parallel.pipeline import describe
+    from maxmoe.model.spec import describe_pipeline
 
     r = benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup, profile_dir=args.profile)
     gib = 2.0 ** 30
@@ -122,7 +121,7 @@ def run(args) -> int:
     if "device_peak_bytes" in r:
         lines.append(f"device peak    {r['device_peak_bytes'] / gib:.3f} GiB in use at most "
                      "(the device's own count)")
-    pipeline_line = describe(cfg.model, sizes["pipeline"], [n for _, _, n in layer_groups(cfg.model)])
+    pipeline_line = describe_pipeline(cfg.model, sizes["pipeline"])
     if pipeline_line:
         lines.append(pipeline_line)
     if "profile" in r:

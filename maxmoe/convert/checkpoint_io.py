@@ -26,7 +26,7 @@ def abstract_params(cfg: Config) -> dict:
     """ShapeDtypeStructs of the pure dict of every model variable (params and router bias)."""
     from flax import nnx
 
-    from maxmoe.train.step import build_model
+    from maxmoe.model.transformer import build_model
 
     model = nnx.eval_shape(lambda: build_model(cfg, 0))
     return nnx.to_pure_dict(nnx.state(model))

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from maxmoe.convert.checkpoint_io import load_converted
-from maxmoe.train.step import build_model
+from maxmoe.model.transformer import build_model
 
 
 def forward_logits(ckpt_dir, ids, dtype: str = "float32"):

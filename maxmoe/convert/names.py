@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from maxmoe.config import Config
-from maxmoe.model.transformer import layer_groups
+from maxmoe.model.spec import layer_groups
 
 Path_ = tuple  # keys into the pure param dict (str, or int for nnx.List entries)
 

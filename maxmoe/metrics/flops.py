@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.config import Config
+from maxmoe.model.spec import layer_groups
 
 # dense bf16 peak per device (no sparsity), from vendor data sheets
 GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -50,8 +51,6 @@ def block_active_params(cfg: Config, is_moe: bool) -> int:
 def active_params_per_token(cfg: Config) -> int:
     """Params a token passes through in the main model (LM head and final norm included, the
     embedding lookup and the MTP depths excluded)."""
-    from maxmoe.model.transformer import layer_groups
-
     m = cfg.model
     blocks = sum(n * block_active_params(cfg, is_moe) for is_moe, _, n in layer_groups(m))
     return blocks + m.hidden_size + m.hidden_size * m.vocab_size
@@ -59,8 +58,6 @@ def active_params_per_token(cfg: Config) -> int:
 
 def mtp_active_params_per_token(cfg: Config) -> int:
     """Per-token params of the MTP depths, counting the shared LM head again (it is recomputed)."""
-    from maxmoe.model.transformer import layer_groups
-
     d = cfg.model.hidden_size
     last_is_moe = layer_groups(cfg.model)[-1][0]
     per_depth = block_active_params(cfg, last_is_moe) + 2 * d * d + 3 * d + d * cfg.model.vocab_size

@@ -4,10 +4,10 @@
 trace back with `jax.profiler.ProfileData` (no TensorBoard needed). Each executed XLA op (a
 thunk on CPU, a kernel on GPU) is mapped to its HLO instruction in the compiled module and from
 there to the `jax.named_scope` it was traced under (model/transformer.py, moe.py,
-parallel/experts.py, train/step.py name the parts). Time is wall time: a loop or call op counts
-only what its children do not, and ops running at once share the moment. Forward and backward
-are told apart by the `transpose(` that JAX puts in the names of backward ops. The trace itself
-is left in DIR for TensorBoard or Perfetto.
+parallel/experts.py, kernels/grouped_matmul.py, train/step.py name the parts). Time is wall
+time: a loop or call op counts only what its children do not, and ops running at once share
+the moment. Forward and backward are told apart by the `transpose(` that JAX puts in the names
+of backward ops. The trace itself is left in DIR for TensorBoard or Perfetto.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
-from maxmoe.model.attention import attention_core, fused_attention
+from maxmoe.kernels.attention import attention_core, fused_attention
 from maxmoe.model.layers import RMSNorm, param
 from maxmoe.model.rope import apply_rope, yarn_mscale
 from maxmoe.sharding import shard

@@ -15,14 +15,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from maxmoe.config import AttentionConfig, ModelConfig, MoEConfig
+from maxmoe.config import AttentionConfig, Config, ModelConfig, MoEConfig
 from maxmoe.model.attention import make_attention
 from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
 from maxmoe.model.router import updated_bias
+from maxmoe.model.spec import PipelineSchedule, layer_groups, pipeline_schedule
 from maxmoe.parallel.pipeline import num_stages, run_pipeline
 from maxmoe.sharding import shard
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 # tensors tagged with jax.ad_checkpoint.checkpoint_name in attention.py, mla.py and moe.py
 SAVED_NAMES = ("qkv_proj", "attn_out", "moe_dispatch", "moe_combine")
@@ -114,45 +117,16 @@ def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
 
 
 def run_stack(stack, x, segment_ids, positions, *, remat: str,
-              pipeline: tuple[int, int] | None = None):
-    """Applies a layer group: a stacked module scanned (pipeline=(microbatches, repeats) runs
-    it pipelined), or an nnx.List of per-layer blocks unrolled."""
+              pipeline: PipelineSchedule | None = None):
+    """Applies a layer group: a stacked module scanned (run pipelined on a `pipeline`
+    schedule), or an nnx.List of per-layer blocks unrolled."""
     if isinstance(stack, nnx.List):
         return run_blocks(list(stack), x, segment_ids, positions, remat=remat)
     run = functools.partial(run_layers, remat=remat)
     if pipeline is not None:
-        return run_pipeline(stack, x, segment_ids, positions, run_layers=run,
-                            microbatches=pipeline[0], repeats=pipeline[1])
+        return run_pipeline(stack, x, segment_ids, positions, run_layers=run, schedule=pipeline)
     graphdef, state = nnx.split(stack)
     return run(graphdef, state, x, segment_ids, positions)
-
-
-def layer_groups(model: ModelConfig) -> list[tuple[bool, int, int]]:
-    """(is_moe, first layer, number of layers) for each run of consecutive same-kind layers."""
-    dense = set(model.dense_layer_indices)
-    kinds = [not (i < model.num_dense_layers or i in dense or (i + 1) % model.moe_layer_step)
-             for i in range(model.num_layers)]
-    groups: list[tuple[bool, int, int]] = []
-    for i, is_moe in enumerate(kinds):
-        if groups and groups[-1][0] == is_moe:
-            groups[-1] = (is_moe, groups[-1][1], groups[-1][2] + 1)
-        else:
-            groups.append((is_moe, i, 1))
-    return groups
-
-
-def pipeline_plan(model: ModelConfig, layers: int) -> tuple[int, int] | None:
-    """(microbatches, repeats) if a group of `layers` layers is pipelined on this mesh.
-
-    A group is pipelined when the stages x repeats divide its layers; other groups (e.g. a
-    first dense layer) run on every stage with replicated work.
-    """
-    stages = num_stages()
-    repeats = model.pipeline_repeats if model.pipeline_schedule == "circular" else 1
-    if stages == 1 or layers % (stages * repeats):
-        return None
-    microbatches = stages if repeats > 1 else (model.pipeline_microbatches or stages)
-    return microbatches, repeats
 
 
 def _join(auxs: list[dict], key: str):
@@ -195,10 +169,11 @@ class Transformer(nnx.Module):
         with jax.named_scope("embed"):
             x = self.embed(tokens)
         moe_auxs, dense_auxs = [], []
+        schedule = pipeline_schedule(self.cfg, num_stages())
         for (is_moe, _, n), stack in zip(layer_groups(self.cfg), self.layer_groups):
             x, group_aux = run_stack(stack, x, segment_ids, positions,
                                      remat=self.cfg.remat_policy,
-                                     pipeline=pipeline_plan(self.cfg, n))
+                                     pipeline=schedule if schedule.pipelines(n) else None)
             (moe_auxs if is_moe else dense_auxs).append(group_aux)
         aux: dict = {}
         if dense_auxs:
@@ -278,6 +253,13 @@ class Transformer(nnx.Module):
             load = expert_load[row:row + n].reshape(mlp.bias[...].shape)
             mlp.bias[...] = updated_bias(mlp.bias[...], load, speed)
             row += n
+
+
+def build_model(cfg: Config, seed: int = 0) -> Transformer:
+    """The Transformer of cfg's model, attention and MoE sections, computing in
+    precision.compute_dtype, its params initialised from `seed`."""
+    return Transformer(cfg.model, cfg.attention, cfg.moe,
+                       dtype=DTYPES[cfg.precision.compute_dtype], rngs=nnx.Rngs(seed))
 
 
 @jax.custom_vjp

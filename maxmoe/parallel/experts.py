@@ -4,12 +4,12 @@ Inside `shard_map` every device holds its batch shard of tokens and E/ep of the 
 (ep = size of the mesh axes the logical `experts` axis maps to).
 
 - dropless: tokens are all-gathered over the expert axis, each device sorts the (token, k)
-  assignments that hit its own experts, runs them as a grouped matmul (`lax.ragged_dot` on GPU;
-  on CPU `block_expert_mlp`, a loop over per-expert row blocks that gathers, computes and
-  scatters in one; nothing dropped whatever the imbalance) and reduce-scatters the partial
-  outputs back to the token owners. This all-gather/reduce-scatter form needs no ragged
-  all-to-all (absent on XLA:CPU), moves each token once rather than once per k, and wins for
-  small expert axes.
+  assignments that hit its own experts, runs them as a grouped matmul (kernels/grouped_matmul.py:
+  `lax.ragged_dot` on GPU; on CPU `block_expert_mlp`, a loop over per-expert row blocks that
+  gathers, computes and scatters in one; nothing dropped whatever the imbalance) and
+  reduce-scatters the partial outputs back to the token owners. This all-gather/reduce-scatter
+  form needs no ragged all-to-all (absent on XLA:CPU), moves each token once rather than once
+  per k, and wins for small expert axes.
 - capacity: every device packs its own assignments into `capacity` slots per expert
   (GShard/Switch), exchanges them with one all-to-all over the expert axis, runs dense batched
   matmuls and sends results back with a second all-to-all. Overflowing assignments are
@@ -28,193 +28,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import MoEConfig
+from maxmoe.kernels.grouped_matmul import dropless_local
 from maxmoe.sharding import current_mesh, mesh_axes
-
-
-@jax.custom_vjp
-def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
-    """Dispatch, SwiGLU expert MLP and weighted combine over row blocks grouped by expert:
-    y[t] = sum over slots j with token[j] = t of row_weight[j] * expert_e(x[t]) for every
-    slot of blocks bounds[e]:bounds[e+1] (expert e), expert_e(v) = (silu(v @ Wg[e]) *
-    (v @ Wu[e])) @ Wd[e]. Blocks from bounds[-1] on are never visited.
-    x [..., D], read as its T flattened rows (the caller's [B, S, D] array itself, so that the
-    layer scan does not stack a reshaped copy of the router's input a second time as this
-    kernel's residual); token [N, bs] int (an empty slot: any token with row_weight 0); row_weight
-    [N, bs] float32; w_gate, w_up [E, D, F]; w_down [E, F, D]; bounds [E + 1] int,
-    non-decreasing, bounds[0] = 0. Returns y [T, D] float32 (the K contributions per token
-    summed in float32).
-
-    A loop over experts around a loop over that expert's blocks (dynamic trip counts, GROUP
-    blocks a step while that many remain, then one), every step a gather of the blocks' token
-    rows, 2-D matmuls and a scatter-add of their weighted output rows: each expert's weights
-    are sliced once and gate | up joined into one matmul, its weight gradients added in place
-    into float32 [E, ...] accumulators (a per-expert accumulator, zero fill and copy-out cost
-    ~5 ms a step at the issue-8 reference shape). Gathering, weighting and scattering inside
-    the loop (rather than before and after it) means no [N * bs, D] copy of the inputs or the
-    outputs is made, and the backward recomputes each block's gate/up matmul rather than
-    keeping it, so the layer scan stacks no activation of this kernel: its residuals are its
-    inputs (x, the params, the slots). The router weight's gradient is
-    rowsum(dL/d(weighted h) * h). Issue 8, CPU reference shape: folding dispatch and combine
-    in took the step from 355 to 341 ms; recomputing gate/up instead of keeping it cut XLA's
-    temporaries 0.258 -> 0.219 GiB and is faster (keeping it: 3 of 3 paired runs 2-3% slower,
-    the layer scan stacks and zero-fills the kept [rows, 2F] per layer; re-measured with layers
-    unrolled and the forward timed: keeping it, with plain [D, rows] weight-gradient products,
-    made this kernel alone 0.93x but the whole step 1.01x and 1.04x in 40 paired rounds, so it
-    is not kept). On XLA:CPU a batched matmul over per-block gathered weights took 1.6x the
-    CPU time of this loop and ragged_dot runs at 0.07-0.08x a dense matmul, this kernel at
-    0.71-0.76x (forward+backward, best of 20, three runs of tools/bench_grouped_matmul.py
-    --tokens 2048).
-    """
-    return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds)[0]
-
-
-def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
-    x, token, row_weight, w_gate, w_up, w_down, bounds = (
-        jnp.asarray(a) for a in (x, token, row_weight, w_gate, w_up, w_down, bounds))
-    res = (x, token, row_weight, w_gate, w_up, w_down, bounds)
-    x = x.reshape(-1, x.shape[-1])
-    f = w_down.shape[1]
-
-    def expert(e, carry):
-        wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
-
-        def block(i, m, y):
-            tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None]
-            gu = x[tok] @ wgu
-            h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
-            hw = (h * w).astype(x.dtype)
-            return y.at[tok].add(jnp.dot(hw, wd, preferred_element_type=jnp.float32))
-        return _over_blocks(bounds[e], bounds[e + 1], block, carry)
-    y = jax.lax.fori_loop(0, w_down.shape[0], expert,
-                          jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32))
-    return y, res
-
-
-def _block_expert_mlp_bwd(res, gy):
-    x, token, row_weight, w_gate, w_up, w_down, bounds = res
-    shape, x, gy = x.shape, x.reshape(-1, x.shape[-1]), jnp.asarray(gy)
-    f = w_down.shape[1]
-
-    def expert(e, carry):
-        wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
-
-        def block(i, m, carry):
-            dx, drw, dwg, dwu, dwd = carry
-            tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None].astype(jnp.float32)
-            g = gy[tok].astype(x.dtype)
-            xi = x[tok]
-            gu = (xi @ wgu).astype(jnp.float32)
-            gate, up = gu[:, :f], gu[:, f:]
-            sig = jax.nn.sigmoid(gate)
-            act = gate * sig  # silu
-            h = act * up
-            dhw = jnp.dot(g, wd.T, preferred_element_type=jnp.float32)  # d(weighted h)
-            drw = jax.lax.dynamic_update_slice_in_dim(
-                drw, jnp.sum(dhw * h, axis=1).reshape(m, -1), i, 0)
-            dh = dhw * w
-            dgate = dh * up * (sig * (1 + gate * (1 - sig)))  # d silu = sig (1 + x (1 - sig))
-            dgu = jnp.concatenate([dgate, dh * act], axis=1).astype(x.dtype)
-            dx = dx.at[tok].add(jnp.dot(dgu, wgu.T, preferred_element_type=jnp.float32))
-            # weight gradients sum over many blocks: added in place into float32 [E, ...]
-            # accumulators whatever the dtype (no per-expert zero fill, add and copy-out)
-            hw = (h * w).astype(x.dtype)
-            gwgu = jnp.dot(xi.T, dgu, preferred_element_type=jnp.float32)
-            return (dx, drw, dwg.at[e].add(gwgu[:, :f]), dwu.at[e].add(gwgu[:, f:]),
-                    dwd.at[e].add(jnp.dot(hw.T, g, preferred_element_type=jnp.float32)))
-        return _over_blocks(bounds[e], bounds[e + 1], block, carry)
-    zeros = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
-    dx, drw, dwg, dwu, dwd = jax.lax.fori_loop(0, w_down.shape[0], expert, (
-        zeros(x), zeros(row_weight), zeros(w_gate), zeros(w_up), zeros(w_down)))
-    return (dx.astype(x.dtype).reshape(shape), None, drw.astype(row_weight.dtype),
-            dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype), dwd.astype(w_down.dtype), None)
-
-
-block_expert_mlp.defvjp(_block_expert_mlp_fwd, _block_expert_mlp_bwd)
-
-# blocks per loop step: 4 blocks of 128 rows make 512-row matmuls, which XLA:CPU runs on both
-# cores, and a quarter of the per-op overhead (issue 8 reference shape, two paired runs each:
-# 1 / 2 / 4 blocks per step 334 / 325 / 320 ms; 4, 2, 1 or 8, 4, 2, 1 in turn no better)
-GROUP = 4
-
-
-def _rows(a, i, m):
-    """Blocks i:i+m of a [N, bs, ...] array as one [m * bs, ...] array."""
-    part = jax.lax.dynamic_slice_in_dim(a, i, m)
-    return part.reshape(-1, *a.shape[2:])
-
-
-def _over_blocks(lo, hi, body, carry):
-    """body(i, m, carry) over blocks lo:hi, m (static) blocks at a time: GROUP while that many
-    remain, then one by one."""
-    n = (hi - lo) // GROUP
-    carry = jax.lax.fori_loop(0, n, lambda j, c: body(lo + j * GROUP, GROUP, c), carry)
-    return jax.lax.fori_loop(lo + n * GROUP, hi, lambda i, c: body(i, 1, c), carry)
-
-
-def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *,
-                   grouped_matmul: str = "ragged_dot", block_size: int = 0):
-    """Runs experts [first_expert, first_expert + El) on the tokens routed to them.
-
-    x [..., D] (T rows once flattened); expert_idx, weights [T, K] (global expert ids);
-    w_gate, w_up [El, D, F]; w_down [El, F, D]. Returns [T, D] float32: the weighted sum over
-    this shard's experts.
-    grouped_matmul: "ragged_dot" (lax.ragged_dot over rows sorted by expert) or "blocked"
-    (rows sorted by expert, each expert padded to whole blocks of block_size rows, then
-    `block_expert_mlp`, a loop over the blocks in use: the fast form on XLA:CPU).
-    """
-    t, k = expert_idx.shape
-    n, num_local = t * k, w_gate.shape[0]
-    scope = jax.named_scope  # the profile's MoE parts (blocked: no separate combine)
-    with scope("dispatch"):
-        local = expert_idx.reshape(-1) - first_expert  # [T*K]
-        key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others last
-        order = _stable_argsort(key, num_local + 1)
-        sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    if grouped_matmul == "ragged_dot":
-        with scope("dispatch"):
-            x = x.reshape(-1, x.shape[-1])
-            token = order // k
-            xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
-        with scope("grouped_matmul"):
-            h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes))
-                 * jax.lax.ragged_dot(xs, w_up, sizes))
-            out = jax.lax.ragged_dot(h, w_down, sizes).astype(jnp.float32)
-        with scope("combine"):
-            out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
-            # K contributions per token are summed in float32 before the cast back
-            return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
-    if block_size <= 0:  # auto: about a quarter of an even share per block, 16-128 rows
-        block_size = int(min(128, max(16, 2 ** int(math.log2(max(n // (4 * num_local), 1))))))
-    rows = -(-(n + num_local * (block_size - 1)) // block_size) * block_size  # worst case
-    blocks = rows // block_size
-    with scope("dispatch"):
-        # slot of sorted row i of expert e = padded_start[e] + rank of i within e
-        padded = (sizes + block_size - 1) // block_size * block_size
-        padded_end = jnp.cumsum(padded)
-        sorted_key = key[order]
-        e = jnp.minimum(sorted_key, num_local - 1)
-        rank = jnp.arange(n) - (jnp.cumsum(sizes) - sizes)[e]
-        slot = jnp.where(sorted_key < num_local, padded_end[e] - padded[e] + rank, -1)
-        assignment = jnp.full((rows,), n, jnp.int32).at[jnp.where(slot >= 0, slot, rows)].set(
-            order, mode="drop")  # (token, k) assignment held by each slot; n = empty slot
-        token = jnp.where(assignment < n, assignment // k, 0).reshape(blocks, block_size)
-        row_weight = jnp.concatenate([weights.reshape(-1).astype(jnp.float32),
-                                      jnp.zeros((1,), jnp.float32)])[assignment]
-        row_weight = row_weight.reshape(blocks, block_size)
-        bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), padded_end // block_size])
-    with scope("grouped_matmul"):  # gathers, weights and scatters block by block itself
-        return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds)
-
-
-def _stable_argsort(key, num_keys: int):
-    """jnp.argsort(key, stable=True) for int keys in [0, num_keys): one sort of the single
-    int32 key * n + index, which XLA:CPU runs ~4x faster than argsort's (key, index) pair
-    sort with its comparator (0.15 vs 0.58 ms for 4096 keys; 2 ms a step at the issue-8
-    reference shape). Falls back to argsort where key * n + index would overflow int32."""
-    n = key.shape[0]
-    if num_keys * n >= 2 ** 31:
-        return jnp.argsort(key, stable=True)
-    return jnp.sort(key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)) % n
 
 
 def capacity_slots(expert_idx, weights, num_experts: int, capacity: int, drop_policy: str):
@@ -286,7 +101,9 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
             y, dropped = capacity_dispatch(xf, idx, w, w_gate, w_up, w_down, cfg)
         else:
             # x itself, not xf: the same array as the router's input, one residual for both
-            y, dropped = dropless_local(x, idx, w, w_gate, w_up, w_down, 0, **_matmul(cfg)), 0
+            y = dropless_local(x, idx, w, w_gate, w_up, w_down, 0,
+                               grouped_matmul=cfg.grouped_matmul, block_size=cfg.block_size)
+            dropped = 0
         return y.astype(x.dtype).reshape(b, s, d), jnp.asarray(dropped, jnp.float32) / total
 
     batch, ep, tp = mesh_axes("batch"), mesh_axes("experts"), mesh_axes("expert_mlp")
@@ -317,7 +134,8 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
             if gathered:
                 xf, idx, w = (jax.lax.all_gather(a, gathered, axis=0, tiled=True)
                               for a in (xf, idx, w))
-            y = dropless_local(xf, idx, w, wg, wu, wd, first, **_matmul(cfg))
+            y = dropless_local(xf, idx, w, wg, wu, wd, first,
+                               grouped_matmul=cfg.grouped_matmul, block_size=cfg.block_size)
             if gathered:
                 y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
         if replicated + tp:
@@ -332,13 +150,6 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
 
     y, dropped = body(x, expert_idx, weights, w_gate, w_up, w_down)
     return y, dropped.astype(jnp.float32) / total
-
-
-def _matmul(cfg: MoEConfig) -> dict:
-    impl = cfg.grouped_matmul
-    if impl == "auto":  # XLA:CPU lowers ragged_dot densely; GPUs have a grouped GEMM
-        impl = "blocked" if jax.devices()[0].platform == "cpu" else "ragged_dot"
-    return {"grouped_matmul": impl, "block_size": cfg.block_size}
 
 
 def _exchange(axes):

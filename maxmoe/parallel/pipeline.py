@@ -10,6 +10,7 @@ iteration, which is exactly what the next pass of a circular schedule needs when
 
 - gpipe (V = 1): any M; bubble (P - 1) / (M + P - 1).
 - circular (V > 1, M = P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
+The schedule's arithmetic (P, V, M, bubble, which groups) is model/spec.py's PipelineSchedule.
 
 Weights are stored in natural layer order, sharded over the pipeline axis in contiguous
 blocks; circular needs chunk order (v, p), so each step regroups them (an all-to-all of the
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxmoe.model.spec import PipelineSchedule
 from maxmoe.sharding import mesh_axes, current_mesh, shard
 
 # aux values summed over microbatches (then averaged); other per-token outputs are dropped
@@ -39,22 +41,17 @@ def num_stages() -> int:
     return n
 
 
-def bubble_fraction(stages: int, microbatches: int, repeats: int) -> float:
-    return (stages - 1) / (repeats * microbatches + stages - 1)
-
-
-def run_pipeline(stack, x, segment_ids, positions, *, run_layers, microbatches: int,
-                 repeats: int):
-    """x [B, S, D] through all layers of `stack` (leading dim L) on the pipeline.
+def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: PipelineSchedule):
+    """x [B, S, D] through all layers of `stack` (leading dim L) on the pipeline, as
+    `schedule` (its stages = this mesh's; schedule.pipelines(L)) says.
 
     run_layers(graphdef, layer_state, h, segment_ids, positions) -> (h, aux stacked per layer)
     runs a chunk of layers (scan + remat as configured). Returns (x, aux [L, ...]).
     """
-    stages = num_stages()
+    stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
     graphdef, state = nnx.split(stack)
     layers = jax.tree.leaves(state)[0].shape[0]
     chunk = layers // (stages * repeats)
-    m = microbatches
     b = x.shape[0]
 
     # [L, ...] -> [V, P, Lc, ...]: chunk c = v P + p; stage dim on the pipeline axis
@@ -80,7 +77,6 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, microbatches: 
                           else (stage_axes or None))
 
     stage_index = jnp.arange(stages)
-    total = repeats * m + stages - 1
     buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
     out = jnp.zeros_like(xs)
     aux_shapes = jax.eval_shape(lambda: all_stages(
@@ -111,23 +107,11 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, microbatches: 
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
         return (buf, out, aux_sum), None
 
-    (_, out, aux_sum), _ = jax.lax.scan(iteration, (buf, out, aux_sum), jnp.arange(total))
+    (_, out, aux_sum), _ = jax.lax.scan(iteration, (buf, out, aux_sum),
+                                        jnp.arange(schedule.iterations))
     y = out.swapaxes(0, 1).reshape(x.shape)
     # aux [P, V, Lc, ...] summed over microbatches -> mean, in natural layer order [L, ...]
     aux = {k: (a / m).swapaxes(0, 1).reshape(layers, *a.shape[3:]) for k, a in aux_sum.items()}
     aux["expert_load"] = aux["expert_load"] * m if "expert_load" in aux else None  # a count
     aux = {k: a for k, a in aux.items() if a is not None}
     return shard(y, ("batch", "seq", "act_embed")), aux
-
-
-def describe(model, stages: int, group_sizes: list[int]) -> str | None:
-    """One start-up line: which layer groups are pipelined and the schedule's bubble."""
-    if stages == 1:
-        return None
-    repeats = model.pipeline_repeats if model.pipeline_schedule == "circular" else 1
-    micro = stages if repeats > 1 else (model.pipeline_microbatches or stages)
-    piped = [n for n in group_sizes if n % (stages * repeats) == 0]
-    rest = sum(group_sizes) - sum(piped)
-    return (f"pipeline: {model.pipeline_schedule}, {stages} stages x {repeats} repeats, {micro} "
-            f"microbatches, bubble {100 * bubble_fraction(stages, micro, repeats):.1f}% "
-            f"(= (P-1)/(V M + P-1)); {sum(piped)} layers pipelined, {rest} run on every stage")

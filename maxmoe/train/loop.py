@@ -34,8 +34,7 @@ from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.metrics.flops import flops_per_token, peak_flops
 from maxmoe.metrics.host import HostTiming
 from maxmoe.metrics.writers import MetricsWriter
-from maxmoe.model.transformer import layer_groups
-from maxmoe.parallel.pipeline import describe as describe_pipeline
+from maxmoe.model.spec import describe_pipeline
 from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
@@ -150,8 +149,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
     total = cfg.train.steps
     shape = " x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1 device"
     log(f"mesh {shape}; run dir {run_dir}; steps {start} -> {total}")
-    pipeline_line = describe_pipeline(cfg.model, mesh_sizes["pipeline"],
-                                      [n for _, _, n in layer_groups(cfg.model)])
+    pipeline_line = describe_pipeline(cfg.model, mesh_sizes["pipeline"])
     if pipeline_line:
         log(pipeline_line)
     if start >= total:

@@ -24,21 +24,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
-from maxmoe.model.transformer import layer_groups
 from maxmoe.model.router import RouterBias
-from maxmoe.model.transformer import Transformer
+from maxmoe.model.spec import layer_groups
+from maxmoe.model.transformer import build_model
 from maxmoe.sharding import named, spec, state_shardings, use_mesh
 from maxmoe.train.guards import StepGuard, select
 from maxmoe.train.optimizer import learning_rate_schedule, make_optimizer
 from maxmoe.train.precision import make_loss_scaler
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
-
-
-def build_model(cfg: Config, seed: int = 0) -> Transformer:
-    return Transformer(cfg.model, cfg.attention, cfg.moe,
-                       dtype=DTYPES[cfg.precision.compute_dtype], rngs=nnx.Rngs(seed))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,7 +59,7 @@ def test_tokenizer_comes_from_the_prepared_folder(prepared):
 
 
 def test_attention_never_crosses_documents_and_little_waste(prepared):
-    from maxmoe.model.attention import attention_mask
+    from maxmoe.kernels.attention import attention_mask
 
     cfg, tokenizer = prepared
     batches = _take(make_dataset(cfg, tokenizer), 40)

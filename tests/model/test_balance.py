@@ -59,7 +59,7 @@ def test_loss_adds_weighted_mtp_and_sequence_balance_losses(stepped):
 def test_router_bias_update_reaches_every_moe_layer_in_order(scan):
     """update_router_bias on the model alone, stacked and per-layer layouts: MoE layer i (and
     then the MTP block) takes row i of the load."""
-    from maxmoe.train.step import build_model
+    from maxmoe.model.transformer import build_model
 
     cfg, _ = small_config(*DEEPSEEK, "model.num_layers=4", f"model.scan_layers={scan}")
     model = build_model(cfg, 0)

@@ -23,7 +23,8 @@ from maxmoe.config import load_config
 from maxmoe.convert.from_hf import read_hf
 from maxmoe.convert.hf_config import config_from_hf, config_to_hf, family_for
 from maxmoe.convert.safetensors_io import ConversionError
-from maxmoe.model.transformer import Transformer, layer_groups
+from maxmoe.model.spec import layer_groups
+from maxmoe.model.transformer import Transformer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
 NAMES = sorted(p.name for p in FIXTURES.iterdir())

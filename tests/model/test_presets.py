@@ -38,7 +38,7 @@ from maxmoe.config import load_config
 from maxmoe.validation import validate
 from maxmoe.metrics.flops import active_params_per_token
 from maxmoe.model.router import RouterBias
-from maxmoe.train.step import build_model
+from maxmoe.model.transformer import build_model
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "models"
 

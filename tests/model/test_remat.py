@@ -16,7 +16,8 @@ from flax import nnx
 from maxmoe.validation import validate
 from maxmoe.model.transformer import SAVED_NAMES
 from maxmoe.sharding import global_batch, make_mesh
-from maxmoe.train.step import build_model, make_trainer
+from maxmoe.model.transformer import build_model
+from maxmoe.train.step import make_trainer
 from tests.helpers import random_batch, small_config
 
 # one dense and one MoE layer: every tagged tensor occurs, and it compiles quickly
