@@ -276,8 +276,15 @@ class Config:
 # --------------------------------------------------------------------------- loading
 
 
-def fail(key: str, value: Any, origin: str, problem: str, fix: str) -> typing.NoReturn:
-    raise ConfigError(f"config key '{key}' = {value!r} (from {origin}): {problem}; {fix}")
+def describe(key: str, value: Any, origin: str | None = None) -> str:
+    """"config key 'K' = V (from ORIGIN)": how every config error names its subject; code
+    that no longer knows where the value came from (the data pipeline) passes origin=None."""
+    return f"config key '{key}' = {value!r}" + (f" (from {origin})" if origin else "")
+
+
+def fail(key: str, value: Any, origin: str | None, problem: str, fix: str) -> typing.NoReturn:
+    """Raises the one-line ConfigError "config key 'K' = V (from ORIGIN): PROBLEM; FIX"."""
+    raise ConfigError(f"{describe(key, value, origin)}: {problem}; {fix}")
 
 
 def _merge(dst: dict, src: dict, origins: dict[str, str], origin: str, prefix: str = "") -> None:

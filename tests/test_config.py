@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config, ConfigError, load_config, save_config
+from maxmoe.config import (DEFAULT_RULES, MESH_AXES, Config, ConfigError, describe, fail,
+                           load_config, save_config)
 from maxmoe.validation import validate
 
 CMD = "command line"
@@ -422,6 +423,14 @@ def test_unknown_mesh_axis_in_rules(tmp_path, base, where):
           "use axes from: data, fsdp, pipeline, expert, tensor")
 
 
+def test_unknown_mesh_axis_in_rules_is_named_before_the_pipeline_reads_the_rules(base):
+    # the pipeline check sizes the batch shards from the rules: an unknown axis there must be
+    # the config error, not a KeyError from that arithmetic
+    msg = error(load_validate, [base], ["mesh.pipeline=2", "model.num_layers=5",
+                                        "mesh.rules.batch=[data, dta]"])
+    check(msg, "mesh.rules.batch", ["data", "dta"], CMD, "unknown mesh axis 'dta'")
+
+
 def test_partial_rules_override_only_the_named_axes(tmp_path, base):
     f = write(tmp_path, "rules.yaml", yaml.safe_dump({"mesh": {"rules": {"vocab": []}}}))
     cfg, _ = load_config([base, f], ["mesh.rules.batch=[data]"])
@@ -500,6 +509,14 @@ def test_unknown_compute_dtype(base):
 @pytest.mark.parametrize("key", ["train.steps", "attention.num_heads", "data.seq_len"])
 def test_sizes_must_be_positive(base, key):
     check(error(load_validate, [base], [f"{key}=0"]), key, 0, CMD, "must be >= 1")
+
+
+def test_fail_without_origin_leaves_out_the_from_clause():
+    """Code past loading (the data pipeline) no longer knows origins: the rest is the same."""
+    with pytest.raises(ConfigError) as info:
+        fail("data.seed", -1, None, "must be in [0, 2**32)", "pick another")
+    assert str(info.value) == "config key 'data.seed' = -1: must be in [0, 2**32); pick another"
+    assert describe("data.source", "x", "a.yaml") == "config key 'data.source' = 'x' (from a.yaml)"
 
 
 def test_validation_errors_default_origin_is_defaults():

@@ -13,7 +13,7 @@ import hashlib
 import os
 import sysconfig
 
-from maxmoe.config import ConfigError
+from maxmoe.config import fail
 
 STDLIB = "stdlib"
 
@@ -30,9 +30,8 @@ def list_documents(source: str) -> list[str]:
     matches = glob.glob(pattern, recursive=True)
     paths = sorted({os.path.abspath(m) for m in matches if os.path.isfile(m)})
     if not paths:
-        raise ConfigError(
-            f"config key 'data.source' = {source!r}: the glob matches no files; "
-            "point it at existing text files (e.g. 'corpus/**/*.txt', quoted) or use 'stdlib'")
+        fail("data.source", source, None, "the glob matches no files",
+             "point it at existing text files (e.g. 'corpus/**/*.txt', quoted) or use 'stdlib'")
     return paths
 
 
@@ -44,9 +43,8 @@ def _stdlib_sources() -> list[str]:
         subdirectories[:] = [d for d in subdirectories if d not in _SKIPPED_DIRECTORIES]
         paths.extend(os.path.join(directory, f) for f in files if f.endswith(".py"))
     if not paths:
-        raise ConfigError(
-            f"config key 'data.source' = 'stdlib': no .py files under {root} (a stripped "
-            "Python install?); set data.source to a glob of text files instead")
+        fail("data.source", STDLIB, None, f"no .py files under {root} (a stripped Python "
+             "install?)", "set data.source to a glob of text files instead")
     return sorted(paths)
 
 
@@ -90,8 +88,8 @@ def split_documents(paths: list[str], validation_fraction: float,
     corpus).
     """
     if not 0.0 <= validation_fraction < 1.0:
-        raise ConfigError(f"config key 'data.validation_fraction' = {validation_fraction!r}: "
-                          "must be in [0, 1); use e.g. 0.02")
+        fail("data.validation_fraction", validation_fraction, None, "must be in [0, 1)",
+             "use e.g. 0.02")
     scores = {p: unit_hash(k, seed) for p, k in zip(paths, document_keys(paths))}
     validation = {p for p, s in scores.items() if s < validation_fraction}
     if validation_fraction > 0 and not validation and len(paths) >= 2:
@@ -99,6 +97,6 @@ def split_documents(paths: list[str], validation_fraction: float,
         validation = {min(scores, key=scores.get)}
     train = sorted(p for p in paths if p not in validation)
     if not train:
-        raise ConfigError(f"config key 'data.validation_fraction' = {validation_fraction!r}: "
-                          f"leaves no training documents out of {len(paths)}; lower it")
+        fail("data.validation_fraction", validation_fraction, None,
+             f"leaves no training documents out of {len(paths)}", "lower it")
     return train, sorted(validation)

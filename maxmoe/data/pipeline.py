@@ -35,7 +35,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from maxmoe.config import ConfigError, DataConfig
+from maxmoe.config import DataConfig, fail
 from maxmoe.data import records
 from maxmoe.data.corpus import list_documents, read_document, split_documents
 from maxmoe.data.shards import decode_record
@@ -64,9 +64,9 @@ def batch_spec(cfg: DataConfig,
 
 def local_batch_size(cfg: DataConfig, process_count: int) -> int:
     if process_count < 1 or cfg.global_batch_size % process_count:
-        raise ConfigError(
-            f"config key 'data.global_batch_size' = {cfg.global_batch_size}: not divisible by "
-            f"the {process_count} processes; use a multiple of {process_count}")
+        fail("data.global_batch_size", cfg.global_batch_size, None,
+             f"not divisible by the {process_count} processes",
+             f"use a multiple of {process_count}")
     return cfg.global_batch_size // process_count
 
 
@@ -156,8 +156,7 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
     batch_size = local_batch_size(cfg, process_count)
     training = split == "train"
     if not 0 <= cfg.seed < 2**32:
-        raise ConfigError(f"config key 'data.seed' = {cfg.seed}: must be in [0, 2**32); "
-                          "pick another")
+        fail("data.seed", cfg.seed, None, "must be in [0, 2**32)", "pick another")
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: expected one of {SPLITS}")
 
@@ -168,10 +167,9 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
         else:
             documents = documents_for(cfg, split, process_index, process_count)
             if training and not documents:
-                raise ConfigError(
-                    f"config key 'data.source' = {cfg.source!r}: no training documents for "
-                    f"stream {process_index} of {process_count} (processes x data.streams); "
-                    "use a corpus with more files or lower data.streams")
+                fail("data.source", cfg.source, None, f"no training documents for stream "
+                     f"{process_index} of {process_count} (processes x data.streams)",
+                     "use a corpus with more files or lower data.streams")
             dataset = grain.MapDataset.source(documents)
             if training:
                 # shuffle-then-repeat: grain folds the epoch into the shuffle seed, so each
@@ -230,16 +228,16 @@ def _prepared_documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, proce
     give each its share of tokens; validation is one pass over each dataset in turn.
     """
     weights = records.mixture(cfg)
-    key = "data.mixture" if cfg.mixture.strip() else "data.source"
-    datasets = [records.PreparedDataset(path, tokenizer, key) for path in weights]
+    key, value = ("data.mixture", cfg.mixture) if cfg.mixture.strip() else ("data.source",
+                                                                           cfg.source)
+    datasets = [records.PreparedDataset(path, tokenizer, key, value) for path in weights]
     parts = []
     for index, dataset in enumerate(datasets):
         documents = dataset.documents(split, process_index, process_count)
         if split == "train":
             if not len(documents):
-                raise ConfigError(
-                    f"config key '{key}': {dataset.path!r} has no training documents for "
-                    f"process {process_index} of {process_count}; prepare more data")
+                fail(key, value, None, f"{dataset.path!r} has no training documents for "
+                     f"process {process_index} of {process_count}", "prepare more data")
             # each dataset gets its own shuffle seed, so equal-sized datasets do not move
             # in lockstep
             documents = documents.shuffle(seed=(cfg.seed + index) % 2**32).repeat(num_epochs)

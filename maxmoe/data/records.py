@@ -6,10 +6,12 @@ The pipeline (pipeline.py) shuffles, repeats, mixes and packs what these functio
 
 from __future__ import annotations
 
+import os
+
 import grain
 import numpy as np
 
-from maxmoe.config import ConfigError, DataConfig
+from maxmoe.config import DataConfig, fail
 from maxmoe.data import shards
 from maxmoe.data.tokenizer import Tokenizer
 
@@ -19,8 +21,7 @@ def mixture(cfg: DataConfig) -> dict[str, float]:
     try:
         return cfg.mixture_weights()
     except ValueError as e:
-        raise ConfigError(f"config key 'data.mixture' = {cfg.mixture!r}: {e}; write e.g. "
-                          "'data/web:0.7,data/code:0.3'") from None
+        fail("data.mixture", cfg.mixture, None, str(e), "write e.g. 'data/web:0.7,data/code:0.3'")
 
 
 def uses_prepared_data(cfg: DataConfig) -> bool:
@@ -32,19 +33,20 @@ def uses_prepared_data(cfg: DataConfig) -> bool:
 class PreparedDataset:
     """One folder written by `maxmoe data prepare`, checked against the training tokenizer."""
 
-    def __init__(self, path: str, tokenizer: Tokenizer, key: str):
+    def __init__(self, path: str, tokenizer: Tokenizer, key: str, value: str):
+        """key, value: the config setting that named `path` (for the error messages)."""
         if not shards.is_prepared(path):
-            raise ConfigError(f"config key '{key}': {path!r} has no {shards.MANIFEST}, so it is "
-                              "not a finished 'maxmoe data prepare' output; prepare it (or "
-                              "finish the interrupted run by running the same command again)")
+            fail(key, value, None, f"{path!r} has no {shards.MANIFEST}, so it is not a finished "
+                 "'maxmoe data prepare' output", "prepare it (or finish the interrupted run by "
+                 "running the same command again)")
         self.path = path
         self.manifest = shards.load_manifest(path)
         expected = self.manifest["tokenizer"]["sha256"]
         if shards.file_hash(tokenizer.path) != expected:
-            raise ConfigError(
-                f"config key 'data.tokenizer_dir': the tokenizer {tokenizer.path!r} is not the "
-                f"one {path!r} was prepared with; leave data.tokenizer_dir empty to use "
-                f"{path}/{shards.TOKENIZER_DIR}, or prepare the data with this tokenizer")
+            fail("data.tokenizer_dir", os.path.dirname(tokenizer.path), None,
+                 f"the tokenizer there is not the one {path!r} was prepared with",
+                 f"leave data.tokenizer_dir empty to use {path}/{shards.TOKENIZER_DIR}, or "
+                 "prepare the data with this tokenizer")
         self.dtype = np.dtype(self.manifest["token_dtype"])
 
     def documents(self, split: str, process_index: int,

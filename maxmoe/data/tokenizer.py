@@ -20,7 +20,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from maxmoe.config import ConfigError, DataConfig
+from maxmoe.config import ConfigError, DataConfig, describe, fail
 from maxmoe.data.corpus import document_keys, list_documents, read_document, unit_hash
 from maxmoe.data.shards import TOKENIZER_DIR, is_prepared
 
@@ -88,16 +88,13 @@ def load_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer:
     if directory:
         path = Path(directory).expanduser() / MODEL_FILE
         if not path.is_file():
-            raise ConfigError(
-                f"config key 'data.tokenizer_dir' = {cfg.tokenizer_dir!r}: no {MODEL_FILE} in "
-                f"{directory!r}; point it at a folder holding a SentencePiece model, or leave "
-                "it empty to train one")
+            fail("data.tokenizer_dir", cfg.tokenizer_dir, None, f"no {MODEL_FILE} in {directory!r}",
+                 "point it at a folder holding a SentencePiece model, or leave it empty to "
+                 "train one")
         tokenizer = Tokenizer(path)
         if tokenizer.vocab_size != vocab_size:
-            raise ConfigError(
-                f"config key 'model.vocab_size' = {vocab_size}: the tokenizer in "
-                f"{directory!r} has {tokenizer.vocab_size} pieces; "
-                f"set model.vocab_size={tokenizer.vocab_size}")
+            fail("model.vocab_size", vocab_size, None, f"the tokenizer in {directory!r} has "
+                 f"{tokenizer.vocab_size} pieces", f"set model.vocab_size={tokenizer.vocab_size}")
         return tokenizer
 
     paths = list_documents(cfg.source)
@@ -112,8 +109,7 @@ def _prepared_tokenizer_dir(cfg: DataConfig) -> str:
     try:
         first = next(iter(cfg.mixture_weights()))
     except ValueError as e:
-        raise ConfigError(f"config key 'data.mixture' = {cfg.mixture!r}: {e}; write e.g. "
-                          "'data/web:0.7,data/code:0.3'") from None
+        fail("data.mixture", cfg.mixture, None, str(e), "write e.g. 'data/web:0.7,data/code:0.3'")
     return os.path.join(first, TOKENIZER_DIR) if is_prepared(first) else ""
 
 
@@ -193,10 +189,10 @@ def _train_into(directory: Path, source: str, paths: list[str], vocab_size: int)
     start = time.perf_counter()
     sentences, sample_chars = _sample_sentences(paths)
     if not sentences:
-        raise ConfigError(f"config key 'data.source' = {source!r}: no readable UTF-8 text in "
-                          f"{len(paths)} files; point it at text files")
-    model = train_model(sentences, vocab_size, problem_key=f"config key 'model.vocab_size' = "
-                        f"{vocab_size}", sample=f"{sample_chars / 1e6:.2f} MB of {source!r}")
+        fail("data.source", source, None, f"no readable UTF-8 text in {len(paths)} files",
+             "point it at text files")
+    model = train_model(sentences, vocab_size, problem_key=describe("model.vocab_size", vocab_size),
+                        sample=f"{sample_chars / 1e6:.2f} MB of {source!r}")
 
     # Train into a private folder and rename it into place: a concurrent or interrupted run
     # never sees a half-written model, and the first finished writer wins.

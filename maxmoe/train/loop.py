@@ -28,7 +28,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from maxmoe.config import Config, ConfigError, save_config, to_dict
+from maxmoe.config import Config, fail, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.metrics.flops import flops_per_token, peak_flops
@@ -115,9 +115,9 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
 
     tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
     if tokenizer.vocab_size != cfg.model.vocab_size:
-        raise ConfigError(f"config key 'model.vocab_size' = {cfg.model.vocab_size}: the tokenizer "
-                          f"at {tokenizer.path} has {tokenizer.vocab_size} tokens; set "
-                          f"model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
+        fail("model.vocab_size", cfg.model.vocab_size, None, f"the tokenizer at {tokenizer.path} "
+             f"has {tokenizer.vocab_size} tokens",
+             f"set model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
     dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
                            process_count=jax.process_count())
     mesh = make_mesh(mesh_sizes, dcn=dcn_sizes(cfg))
