@@ -1,14 +1,10 @@
 """Which C allocator a `maxmoe` process runs on (standard library only: imported before JAX).
 
-XLA:CPU allocates each step's temporaries afresh (232 MiB a step at the CPU reference shape of
-issue 8, the temporaries in `maxmoe bench`'s memory line), and glibc's malloc gives blocks that
-large back to the kernel when they are freed, so every step page-faults its temporaries in again
-and the kernel zeroes them: 22-52 ms of system CPU a step there with 2 MiB pages
-(`glibc.malloc.hugetlb=1`: 214-424 faults a step), 119 ms with 4 KiB pages (60,000 faults).
-tcmalloc that never releases memory, or jemalloc that never purges it, keeps what a step freed
-for the next one: 0-15 faults and 2-7 ms of system CPU a step in most runs, and steps 1.06-1.10x
-(tcmalloc) and 1.03-1.08x (jemalloc) as fast as glibc's with huge pages (the median of the
-per-round ratios in three runs of 5-6 rounds in turns, tools/bench_malloc.py). The price: memory
+XLA:CPU allocates each step's temporaries afresh (the temporaries in `maxmoe bench`'s memory
+line), and glibc's malloc gives blocks that large back to the kernel when they are freed, so
+every step page-faults its temporaries in again and the kernel zeroes them. tcmalloc that never
+releases memory, or jemalloc that never purges it, keeps what a step freed for the next one, so
+steps run faster (docs/performance.md, Allocator; `tools/bench_malloc.py`). The price: memory
 a process frees stays with it for reuse, so its resident size stays at its high-water mark.
 
 `reexec` restarts the process once (same pid) with the first allocator installed, in this

@@ -44,9 +44,10 @@ def save_converted(out_dir: Path, cfg: Config, params: dict, hf_config: dict | N
         (out_dir / "hf" / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         (out_dir / "hf" / "tensor_dtypes.json").write_text(json.dumps(hf_dtypes or {}, indent=0))
     # Orbax's default numpy handler deep-copies every array first (the model twice), OCDBT keeps
-    # compressed data until the save ends (+30-40% of the model, measured at 2.4B params) and
-    # whole-array chunks are held compressed while written (+15%): write the arrays in place,
-    # without OCDBT, in 64 MiB chunks (+0%). Restore reads any of these layouts.
+    # compressed data until the save ends and whole-array chunks are held compressed while
+    # written: write the arrays in place, without OCDBT, in 64 MiB chunks, so the save holds
+    # nothing beyond the model (docs/performance.md, Checkpoints and conversion memory).
+    # Restore reads any of these layouts.
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
     chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=64 * 2**20), params)

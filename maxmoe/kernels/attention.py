@@ -27,7 +27,7 @@ def _bias(mask: jax.Array) -> jax.Array:
     """0.0 where mask, MASKED elsewhere: a lookup in a two-entry table, not a select. XLA keeps
     a gather's result in memory, read once per score, while it re-derived a select's mask (the
     segment-id and causal comparisons) inside every exp fusion reading it once the layers are
-    unrolled (issue 8 reference shape, scan_layers=false: exp fusions 13.8 -> 7.6 ms a step)."""
+    unrolled (docs/performance.md, Attention kernel)."""
     return jnp.asarray([MASKED, 0.0], jnp.float32)[mask.astype(jnp.int32)]
 
 
@@ -51,18 +51,16 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     output and each row's log-sum-exp, not the probabilities: it recomputes them transposed
     (P^T = exp(K Q^T - lse)), so every backward matmul reads its operands in the layout
     XLA:CPU multiplies fastest, and the layer scan stacks no [B, H, S, T] tensor. That costs
-    one more Q K^T product per block (7 attention matmuls instead of 6). Issue 8, CPU
-    reference shape (`maxmoe bench configs/bench/cpu_mixtral_tiny.yaml --profile`): XLA's
-    temporaries 0.203 -> 0.181 GiB and the layer scan's stacking 29 -> 26 ms a step against
-    autodiff of the same blocks, which kept the probabilities and transposed them.
+    one more Q K^T product per block (7 attention matmuls instead of 6), and uses less memory
+    and time than autodiff of the same blocks, which kept the probabilities and transposed them
+    (docs/performance.md, Attention kernel).
     """
     return _attention_fwd(q, k, v, segment_ids, block_size)[0]
 
 
 def _merge(t: jax.Array) -> jax.Array:
     """[B, K, G, n, D] -> [B, K, G*n, D]: the query heads of a kv head as rows of one matrix.
-    XLA:CPU lowered some 5-D forms badly (a [B, K, 1, S, D] row sum ran as 8192 one-row
-    dots, 1.5 ms against 0.1 ms in 4-D)."""
+    XLA:CPU lowered some 5-D forms badly (a [B, K, 1, S, D] row sum ran as one-row dots)."""
     return t.reshape(*t.shape[:2], -1, t.shape[-1])
 
 
@@ -75,7 +73,7 @@ def _block_bias(segment_ids, lo, hi, groups):
 
 def _block_bias_t(segment_ids, lo, hi, groups):
     """_block_bias transposed, [B, 1, hi, G*(hi - lo)], built in that layout (transposing the
-    other made XLA:CPU's exp fusion of the backward read it column-wise, 3.5x slower)."""
+    other made XLA:CPU's exp fusion of the backward read it column-wise, much slower)."""
     causal = jnp.arange(hi)[:, None] <= jnp.arange(lo, hi)[None, :]  # key j, query lo + i
     same_doc = segment_ids[:, :hi, None] == segment_ids[:, None, lo:hi]
     bias = _bias(causal[None] & same_doc)[:, :, None]  # [B, hi, 1, n]
@@ -121,7 +119,7 @@ def _attention_bwd(block_size, res, g):
         dst = dst.astype(q.dtype)
         dk = dk.at[:, :, :hi].add(dot("bktx,bkxd->bktd", dst, qb))
         # dS itself for dQ: the barrier keeps XLA from folding the transpose back into a
-        # transposed-operand dot, which ran single-threaded (8 -> 2.5 ms a step with the copy)
+        # transposed-operand dot, which XLA:CPU runs single-threaded
         ds = jax.lax.optimization_barrier(jnp.swapaxes(dst, -1, -2))
         dq.append(dot("bkxt,bktd->bkxd", ds, k[:, :, :hi]).reshape(b, kv, groups, hi - lo, -1))
     dq = dq[0] if len(dq) == 1 else jnp.concatenate(dq, axis=3)

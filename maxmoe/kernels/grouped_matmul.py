@@ -75,9 +75,8 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
 
 def _stable_argsort(key, num_keys: int):
     """jnp.argsort(key, stable=True) for int keys in [0, num_keys): one sort of the single
-    int32 key * n + index, which XLA:CPU runs ~4x faster than argsort's (key, index) pair
-    sort with its comparator (0.15 vs 0.58 ms for 4096 keys; 2 ms a step at the issue-8
-    reference shape). Falls back to argsort where key * n + index would overflow int32."""
+    int32 key * n + index, which XLA:CPU runs faster than argsort's (key, index) pair sort with
+    its comparator. Falls back to argsort where key * n + index would overflow int32."""
     n = key.shape[0]
     if num_keys * n >= 2 ** 31:
         return jnp.argsort(key, stable=True)
@@ -97,26 +96,14 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     non-decreasing, bounds[0] = 0. Returns y [T, D] float32 (the K contributions per token
     summed in float32).
 
-    A loop over experts around a loop over that expert's blocks (dynamic trip counts, GROUP
-    blocks a step while that many remain, then one), every step a gather of the blocks' token
-    rows, 2-D matmuls and a scatter-add of their weighted output rows: each expert's weights
-    are sliced once and gate | up joined into one matmul, its weight gradients added in place
-    into float32 [E, ...] accumulators (a per-expert accumulator, zero fill and copy-out cost
-    ~5 ms a step at the issue-8 reference shape). Gathering, weighting and scattering inside
-    the loop (rather than before and after it) means no [N * bs, D] copy of the inputs or the
-    outputs is made, and the backward recomputes each block's gate/up matmul rather than
-    keeping it, so the layer scan stacks no activation of this kernel: its residuals are its
-    inputs (x, the params, the slots). The router weight's gradient is
-    rowsum(dL/d(weighted h) * h). Issue 8, CPU reference shape: folding dispatch and combine
-    in took the step from 355 to 341 ms; recomputing gate/up instead of keeping it cut XLA's
-    temporaries 0.258 -> 0.219 GiB and is faster (keeping it: 3 of 3 paired runs 2-3% slower,
-    the layer scan stacks and zero-fills the kept [rows, 2F] per layer; re-measured with layers
-    unrolled and the forward timed: keeping it, with plain [D, rows] weight-gradient products,
-    made this kernel alone 0.93x but the whole step 1.01x and 1.04x in 40 paired rounds, so it
-    is not kept). On XLA:CPU a batched matmul over per-block gathered weights took 1.6x the
-    CPU time of this loop and ragged_dot runs at 0.07-0.08x a dense matmul, this kernel at
-    0.71-0.76x (forward+backward, best of 20, three runs of tools/bench_grouped_matmul.py
-    --tokens 2048).
+    A loop over experts around a loop over their blocks (GROUP blocks a step while that many
+    remain, then one): each step gathers its blocks' token rows, runs the 2-D matmuls (gate | up
+    joined) and scatter-adds the weighted output rows, so no [N * bs, D] copy of the inputs or
+    outputs is made; weight gradients are added in place into float32 [E, ...] accumulators.
+    The backward recomputes each block's gate/up matmul, so the kernel's residuals are its
+    inputs and the layer scan stacks none of its activations. The router weight's gradient is
+    rowsum(dL/d(weighted h) * h). Why this shape and not ragged_dot or a batched matmul:
+    docs/performance.md, Grouped matmul.
     """
     return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds)[0]
 
@@ -185,8 +172,7 @@ def _block_expert_mlp_bwd(res, gy):
 block_expert_mlp.defvjp(_block_expert_mlp_fwd, _block_expert_mlp_bwd)
 
 # blocks per loop step: 4 blocks of 128 rows make 512-row matmuls, which XLA:CPU runs on both
-# cores, and a quarter of the per-op overhead (issue 8 reference shape, two paired runs each:
-# 1 / 2 / 4 blocks per step 334 / 325 / 320 ms; 4, 2, 1 or 8, 4, 2, 1 in turn no better)
+# cores, and a quarter of the per-op overhead (docs/performance.md, Grouped matmul)
 GROUP = 4
 
 

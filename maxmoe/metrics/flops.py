@@ -90,9 +90,8 @@ class MatmulPeak:
     """The practical peak of this host: the best FLOP/s a jitted square matmul reached in any
     of the runs `sample` timed. Best, not median: noise on a shared machine only ever slows a
     run down. `maxmoe bench` also samples it between its steps, so that a busy spell during
-    one burst of runs cannot set the peak low and the MFU high (issue 8: ten back-to-back runs
-    of the 2048^2 float32 matmul gave a best of 333 GFLOP/s in one bench and 424-499 in
-    others on this 2-core host)."""
+    one burst of runs cannot set the peak low and the MFU high (docs/performance.md, CPU
+    reference shape and MFU)."""
 
     def __init__(self, dtype=jnp.float32, size: int = 2048):
         self.x = jax.device_put(jnp.ones((size, size), dtype), jax.devices()[0])

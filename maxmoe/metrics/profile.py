@@ -103,7 +103,7 @@ def instruction_times(trace_dir: Path, names: dict[str, str], module: str = "") 
     what its children do not cover); across timelines, ops running at the same moment share
     it equally. So the times add up to the traced span: on XLA:CPU two independent ops run at
     once on the two cores and each gets half, where summing thread time would count both in
-    full (issue 8: the two LM-head backward dots ran side by side, 25 ms each, in 25 ms).
+    full.
     Events name their op in the `hlo_op` stat (GPU kernels have other names); GPU traces are
     read from the device planes only, so host-side launches are not counted twice."""
     import jax

@@ -38,7 +38,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
     The backward keeps x and the [..., 1] reciprocal RMS and recomputes x / rms from them:
     autodiff kept the normalised x as well, one more [B, S, D] float32 residual per norm that
-    the layer scan stacks (issue 8 reference shape: two per layer)."""
+    the layer scan stacks."""
     return _rms_norm_fwd(x, scale, eps)[0]
 
 

@@ -56,9 +56,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: AttentionConfig) -> jax.
     cos and sin come from a [S, R/2] table of positions 0..S-1, looked up by position (packed
     rows restart positions at each document, so they stay below S; one outside [0, S) gives
     NaN, never a silently wrong angle). cos(position * frequency) computed per token instead
-    was fused by XLA into every q/k rotation once the layers are unrolled: 4 layers x forward
-    and backward re-evaluated it per element (issue 8: attention core 81 -> 58 ms a step at
-    the reference shape with model.scan_layers=false; the scan hoists either form).
+    was fused by XLA into every q/k rotation of unrolled layers, re-evaluated per element
+    (docs/performance.md, Attention kernel).
     """
     inv_freq, scale = rope_frequencies(cfg, x.shape[-1])
     angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)
@@ -77,7 +76,7 @@ def rotate_halves(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     A rotation, so its backward is the rotation by the opposite angle (sin negated), one fused
     pass. Autodiff of the slices and the concatenation instead padded each half of the
     gradient back to full width and added the two: three passes over q and k per layer in the
-    backward (issue 8). cos and sin come from integer positions: no gradient."""
+    backward. cos and sin come from integer positions: no gradient."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

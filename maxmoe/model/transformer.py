@@ -100,8 +100,7 @@ def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
     """Applies per-layer blocks (model.scan_layers=false) in order, unrolled; aux [L, ...].
 
     Each layer's params are their own arrays, so no weight is sliced out of a stack and no
-    gradient concatenated back (issue-8 reference shape: 48 copy ops fewer, temporaries
-    256 -> 232 MiB, step 0.98-0.99x the stacked layout's in interleaved A/B runs)."""
+    gradient concatenated back (docs/performance.md, Layer scan vs unrolled)."""
     graphdef, _ = nnx.split(blocks[0])
 
     def body(h, layer_state):
@@ -268,7 +267,7 @@ def lm_head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
     The backward computes the weight gradient as x^T (materialised) @ dlogits, a plain
     row-major matmul: left to autodiff, XLA:CPU transposed the [B*S, V] logit gradient and ran
-    a transposed-operand dot at a third of the matmul peak (issue 8 reference shape)."""
+    a slow transposed-operand dot (docs/performance.md, Other ops of the step)."""
     return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
 
 
@@ -291,7 +290,7 @@ lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
 @jax.named_scope("loss")
 def _cross_entropy(logits, targets, mask):
     # on [tokens, vocab]: XLA:CPU's loop fusions index a 3-D [B, S, V] array with a broadcast
-    # [B, S] row statistic markedly slower (the softmax exp: 4.7 vs 2.7 ms for 2048 x 4096)
+    # [B, S] row statistic markedly slower (docs/performance.md, Other ops of the step)
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return jnp.sum(ce * mask.reshape(-1)) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -36,8 +36,7 @@ def clip_by_scheduled_global_norm(schedule: optax.Schedule
 
     update() takes the gradients' global norm as the extra argument `grad_norm` when the
     caller has it: the train step computes it anyway (guards, metrics), and inside the step's
-    update branch XLA cannot reuse it, so the clip read every gradient a second time (~1 ms a
-    step at the issue-8 reference shape)."""
+    update branch XLA cannot reuse it, so the clip would read every gradient a second time."""
 
     def init(params):
         del params
@@ -50,7 +49,7 @@ def clip_by_scheduled_global_norm(schedule: optax.Schedule
         # optax.clip_by_global_norm's result to within an ulp, as one scalar factor: a
         # per-element divide is "expensive" to XLA, so the clipped gradient was written out
         # as its own pass over every gradient (XLA:CPU has no multi-output fusion); a multiply
-        # by a scalar is folded into the moment updates that read it (issue 8)
+        # by a scalar is folded into the moment updates that read it
         scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
         updates = jax.tree.map(lambda t: t * scale.astype(t.dtype), updates)
         return updates, ClipState(optax.safe_increment(state.count))
