@@ -17,7 +17,11 @@ MAXMOE_NO_DISTRIBUTED=1) does nothing.
 Failure is bounded: a process that stops sending heartbeats for `heartbeat_timeout_s` is
 declared dead and JAX aborts every other process (exit code 134 after "Terminating process
 because the JAX distributed service detected fatal errors"), so the scheduler sees a failed
-job and restarts it; the same command then resumes from the newest checkpoint.
+job and restarts it; the same command then resumes from the newest checkpoint. JAX takes the
+timeout once, at `jax.distributed.initialize` (the coordination service and every client;
+jax 0.10.2 offers no way to change it later), so it also covers start-up, when compilation
+on a busy host can hold heartbeats back for seconds: keep it well above that (a 5 s timeout
+failed on a loaded 2-core host; the tests use 30 s, the default is 100 s).
 """
 
 from __future__ import annotations
