@@ -20,8 +20,9 @@ because the JAX distributed service detected fatal errors"), so the scheduler se
 job and restarts it; the same command then resumes from the newest checkpoint. JAX takes the
 timeout once, at `jax.distributed.initialize` (the coordination service and every client;
 jax 0.10.2 offers no way to change it later), so it also covers start-up, when compilation
-on a busy host can hold heartbeats back for seconds: keep it well above that (a 5 s timeout
-failed on a loaded 2-core host; the tests use 30 s, the default is 100 s).
+on a busy host can hold heartbeats back for seconds. XLA's coordination agent sends one every
+timeout/2, each with a timeout/2 deadline: keep the timeout well above such stalls (5 s failed
+on a loaded 2-core host; the tests use 30 s, the default is 100 s).
 """
 
 from __future__ import annotations
