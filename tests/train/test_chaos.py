@@ -110,10 +110,12 @@ def resume(run_dir: Path, env: dict) -> tuple[Run, int]:
     """Starts the same command again; asserts that it resumed from the newest committed step
     (0 if none) once it is about to train. Returns the run and that step."""
     newest = ([0] + committed(run_dir / "checkpoints"))[-1]
+    debris = set(in_flight(run_dir / "checkpoints"))
     run = Run(run_dir, env)
     start = run.start_step()
     assert start == newest, f"resumed from step {start}, not {newest}"
-    assert not in_flight(run_dir / "checkpoints")  # a killed save's debris is removed at start
+    # a killed save's directory is removed at start (this run's own saves may be under way)
+    assert not debris & set(in_flight(run_dir / "checkpoints"))
     return run, start
 
 
