@@ -192,6 +192,7 @@ def test_kill_mid_save_sigterm_then_resume_bit_identical(tmp_path):
     code, summary = run.finish()
     assert code == 0 and summary["final_step"] == STEPS, "".join(run.lines[-30:])
     print("attacks (attack, resumed from, at step):", attacks, "then finished from", start)
+    assert not in_flight(ckpt_dir)  # every save of the last run committed
     a, b = final_params(tmp_path / "straight"), final_params(chaos)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
