@@ -17,7 +17,16 @@ MAXMOE_NO_DISTRIBUTED=1) does nothing.
 Failure is bounded: a process that stops sending heartbeats for `heartbeat_timeout_s` is
 declared dead and JAX aborts every other process (exit code 134 after "Terminating process
 because the JAX distributed service detected fatal errors"), so the scheduler sees a failed
-job and restarts it; the same command then resumes from the newest checkpoint.
+job and restarts it; the same command then resumes from the newest checkpoint. JAX takes the
+timeout once, at `jax.distributed.initialize` (the coordination service and every client;
+jax 0.10.2 offers no way to change it later), so it also covers start-up. XLA's coordination
+agent sends a heartbeat every timeout/2, each with a timeout/2 deadline: keep the timeout well
+above the stalls of a busy host (the tests use 30 s, the default is 100 s).
+
+On CPU, collectives go through Gloo, which gives the processes 30 s (fixed; not a setting in
+jax 0.10.2) to meet at the first collective of each device group. A process that compiles
+the first step more than 30 s later than another (a loaded host) fails that rendezvous
+("Gloo context initialization failed: DEADLINE_EXCEEDED"), and the job aborts.
 """
 
 from __future__ import annotations

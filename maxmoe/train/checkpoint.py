@@ -25,6 +25,7 @@ config keys that differ, and moves nothing.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -133,22 +134,45 @@ def abstract_like(tree: Any, shardings: Any = None) -> Any:
                         tree, shardings)
 
 
-def _save_each_shard_once() -> None:
-    """In a single process, write each array shard whole instead of in replica-parallel parts.
+class _ArrayHandler(ocp.type_handlers.ArrayHandler):
+    """Orbax's jax.Array handler, except that a restore that fails lets its other reads end.
+
+    Orbax gathers the reads of all arrays in an event loop that it closes as soon as one read
+    fails (a corrupt step). The reads still in flight then finish into the closed loop, and
+    each prints a traceback ("RuntimeError: Event loop is closed", "Exception ignored in
+    <coroutine _read_array_index_and_device_put>") around resume's one-line warning. The
+    train state is all jax.Arrays, so every read of a restore runs under this handler.
+    """
+
+    async def deserialize(self, infos, args=None):
+        before = asyncio.all_tasks()
+        try:
+            return await super().deserialize(infos, args)
+        except Exception:
+            # every task started since `before` is a read of this call: none awaits us
+            while stragglers := [t for t in asyncio.all_tasks() - before
+                                 if t is not asyncio.current_task() and not t.done()]:
+                await asyncio.gather(*stragglers, return_exceptions=True)
+            raise
+
+
+def _register_array_handler() -> None:
+    """Restores and saves jax.Arrays with `_ArrayHandler`; in a single process, each shard
+    is written whole instead of in replica-parallel parts.
 
     Orbax defaults to replica-parallel saving off GPU: every replica of a replicated array
     saves 1/R of it, cut out with an eager `lax.slice_in_dim` per replica, which compiles
     once per shape. That spreads writes over hosts in a multi-host job, but with all replicas
     in one process (fake CPU devices) it only costs: the first save of `configs/tiny.yaml`
-    (8 devices) blocked the train loop 4.9-5.3 s compiling ~150 slices, later saves 0.10-0.15
-    s. Multi-process jobs keep Orbax's default."""
-    if jax.process_count() > 1:
-        return
+    compiled ~150 slices while blocking the train loop. Multi-process jobs keep Orbax's
+    default."""
     current = ocp.type_handlers.get_type_handler(jax.Array)
-    if getattr(current, "_use_replica_parallel", False):  # Orbax 0.12: no public getter
-        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
-            use_replica_parallel=False, array_metadata_store=current._array_metadata_store),
-            override=True)
+    if isinstance(current, _ArrayHandler):
+        return
+    ocp.type_handlers.register_type_handler(jax.Array, _ArrayHandler(
+        use_replica_parallel=False if jax.process_count() == 1 else None,
+        array_metadata_store=current._array_metadata_store),  # Orbax 0.12: no public getter
+        override=True)
 
 
 class Checkpointer:
@@ -184,7 +208,7 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_save,
             create=True,
         )
-        _save_each_shard_once()
+        _register_array_handler()
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:

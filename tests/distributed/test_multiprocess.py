@@ -3,8 +3,8 @@
 - SIGTERM to one of them (through launch/local_multiprocess.sh) makes both save the same step
   and exit with code 75, and that checkpoint restores in one process onto another mesh shape
   (1 x 8 devices, and 4 devices), exactly;
-- kill -9 of one process makes the other exit with JAX's error naming the lost process within
-  3 x distributed.heartbeat_timeout_s (no hang);
+- kill -9 of one process, once both train, makes the other exit with JAX's error naming the
+  lost process within distributed.heartbeat_timeout_s (plus slack) of the kill (no hang);
 - 2 processes x 4 devices train to the same per-step losses as 1 process x 8 devices fed the
   same global batches (data.streams scaled inversely to the process count, see
   maxmoe/data/pipeline.py).
@@ -37,9 +37,15 @@ from maxmoe.train.step import make_trainer
 from tests.train.test_chaos import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
+# JAX fixes the heartbeat timeout once, at jax.distributed.initialize, so it also covers
+# start-up; heartbeats go every timeout/2 with that deadline: 30 s leaves a busy host room
+# (see maxmoe/distributed.py). The kill -9 bound is measured from the kill.
+HEARTBEAT_S = 30
+START_S = 480  # until training: start-up and compilation take minutes on a busy host
 MULTI = [t for t in TINY if not t.startswith("mesh.")] + [
     "mesh.cpu_devices=4", "mesh.data=2", "mesh.dcn_data=2", "mesh.fsdp=2", "mesh.expert=2",
-    "checkpoint.every_steps=1000", "train.steps=1000", "distributed.heartbeat_timeout_s=10"]
+    "checkpoint.every_steps=1000", "train.steps=1000",
+    f"distributed.heartbeat_timeout_s={HEARTBEAT_S}"]
 
 
 def restore_on(run_dir, num_devices, **mesh):
@@ -61,7 +67,7 @@ def test_sigterm_to_one_process_saves_everywhere_and_restores_in_one(tmp_path):
         [str(ROOT / "launch" / "local_multiprocess.sh"), "2", "train", *MULTI, f"run.dir={run_dir}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + START_S
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
         time.sleep(0.2)
@@ -118,27 +124,31 @@ class Process:
         return "".join(line for _, line in self.lines if "[Gloo]" not in line)
 
 
-HEARTBEAT_S = 5
-
-
 @pytest.mark.slow
 def test_kill_9_of_one_process_ends_the_other_within_the_heartbeat_bound(tmp_path):
     env = dict(os.environ, MAXMOE_CACHE=str(tmp_path / "cache"))
     env.pop("XLA_FLAGS", None)  # each process fakes its own 4 devices (mesh.cpu_devices)
-    items = [t for t in MULTI if not t.startswith("distributed.")] + [
-        f"distributed.heartbeat_timeout_s={HEARTBEAT_S}", f"run.dir={tmp_path / 'run'}"]
+    items = MULTI + [f"run.dir={tmp_path / 'run'}"]
     port = free_port()
     survivor, victim = (Process(i, 2, port, items, env) for i in range(2))
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + START_S
         while not any(line.startswith("step 1:") for _, line in survivor.lines):  # training
             assert survivor.proc.poll() is None and victim.proc.poll() is None, survivor.text()
             assert time.monotonic() < deadline, survivor.text()
             time.sleep(0.05)
+        assert victim.proc.poll() is None
         victim.proc.kill()  # SIGKILL: no handler, no goodbye to the coordinator
         killed = time.monotonic()
-        code = survivor.proc.wait(timeout=3 * HEARTBEAT_S)  # TimeoutExpired = a hang: fails
+        # silent from the kill on, the victim is declared dead at most HEARTBEAT_S later; the
+        # slack covers the service's periodic check and the abort (TimeoutExpired: a hang)
+        try:
+            code = survivor.proc.wait(timeout=HEARTBEAT_S + 20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process 0 still running {HEARTBEAT_S + 20} s after the kill:\n"
+                        + survivor.text()[-3000:])
         exited = time.monotonic() - killed
+        assert victim.proc.wait() == -signal.SIGKILL
     finally:
         for p in (survivor, victim):
             if p.proc.poll() is None:
@@ -165,7 +175,7 @@ def test_two_processes_of_4_devices_train_like_one_of_8(tmp_path, monkeypatch):
         f"train.steps={STEPS}", "checkpoint.enabled=false", "mesh.data=2", "mesh.fsdp=2",
         "mesh.expert=2"]
     two = common + ["data.streams=4", "mesh.cpu_devices=4", "mesh.dcn_data=2",
-                    "distributed.heartbeat_timeout_s=10", f"run.dir={tmp_path / 'two'}"]
+                    f"distributed.heartbeat_timeout_s={HEARTBEAT_S}", f"run.dir={tmp_path / 'two'}"]
     one = common + ["data.streams=8", f"run.dir={tmp_path / 'one'}"]
 
     cfg_one, origins = load_config([], one)
@@ -185,7 +195,7 @@ def test_two_processes_of_4_devices_train_like_one_of_8(tmp_path, monkeypatch):
     try:
         # meanwhile, here: 1 process x 8 devices (tests/conftest.py fakes them)
         summary_one = train(cfg_one, validate(cfg_one, 8, origins))
-        codes = [p.proc.wait(timeout=240) for p in processes]
+        codes = [p.proc.wait(timeout=START_S) for p in processes]
     finally:
         for p in processes:
             if p.proc.poll() is None:
