@@ -9,7 +9,7 @@ Fault tolerance (README "Multi-host launch and fault tolerance"):
 - SIGTERM: every process stops after the same step, saves it and returns with
   summary["preempted"] = True (the CLI then exits with code 75).
 
-Host and device overlap (issue 8): the loop never waits for a step before it has dispatched
+Host and device overlap: the loop never waits for a step before it has dispatched
 the next one. While the device runs step N+1 the host reads step N's metrics (guards,
 logging) and the data thread's next batch is sharded; the host's guard decisions therefore
 land one step late (guards.py). A step whose state is read on the host (saved, evaluated,
