@@ -16,6 +16,10 @@ land one step late (guards.py). A step whose state is read on the host (saved, e
 the last one, a SIGTERM stop) is settled before anything else happens, so no checkpoint
 holds a state that a guard has not cleared. metrics.jsonl gets the host-side costs per
 logging window (see metrics/host.py).
+
+Cadences are hooks, run in order after a step: eval (train.eval_every_steps), the metrics
+writer (logging.every_steps, the last step and every eval step) and the checkpoint save
+(checkpoint.every_steps and the last step). See `Hook`.
 """
 
 from __future__ import annotations
