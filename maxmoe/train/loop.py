@@ -163,7 +163,7 @@ class StepEnd:
     window: LogWindow
     state: Any = None  # the train state after the step; None when read one step late
     extra: dict = dataclasses.field(default_factory=dict)  # hooks' metrics (eval loss) to log
-    _record: dict | None = None
+    _record: dict | None = dataclasses.field(default=None, init=False, repr=False)
 
     def record(self) -> dict:
         """The logged record of this step (closes the logging window on the first call)."""
