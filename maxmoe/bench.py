@@ -16,11 +16,11 @@ import jax
 import numpy as np
 
 from maxmoe import malloc
-from maxmoe.metrics.flops import FLOP_CONVENTION, flops_per_token, peak_flops, peak_meter
+from maxmoe.metrics.flops import FLOP_CONVENTION, peak_meter
 from maxmoe.metrics.profile import breakdown
-from maxmoe.sharding import global_batch, make_mesh, use_mesh
-from maxmoe.train.step import make_trainer, writes_metrics
-from maxmoe.validation import dcn_sizes
+from maxmoe.sharding import global_batch, use_mesh
+from maxmoe.train.setup import prepare_run
+from maxmoe.train.step import writes_metrics
 
 
 def synthetic_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
@@ -71,16 +71,37 @@ def state_layout(trainer):
 def benchmark_interleaved(variants, *, steps: int, warmup: int,
                           profile_dir: str = "") -> list[dict]:
     """benchmark() of several (cfg, mesh_sizes) at once: all are compiled first, then timed in
-    turns, one step of each per round, each variant first in turn. A shared machine's load
-    changes (which moved a 10-step median by 10-20% between back-to-back runs, issue 8) so fall
-    on every variant alike. Variants whose train state has the same shapes, dtypes and
-    shardings share one state (each step takes the state the previous one returned), so a
+    turns, one step of each per round, each variant first in turn, so a shared machine's load
+    changes fall on every variant alike. Variants whose train state has the same shapes, dtypes
+    and shardings share one state (each step takes the state the previous one returned), so a
     sweep holds one model in memory (`shared_state`: this variant took an earlier one's);
     the others keep their own. Each result adds `paired_ratio`, the median over rounds of its
     step time over the first variant's in the same round, and `step_times_s` in order."""
+    runs = compile_variants(variants)
+    meters = time_in_turns(runs, steps=steps, warmup=warmup)
+    breakdown = None
+    if profile_dir:
+        # a profiled bench has one variant: its steps so far are warmup + steps
+        breakdown = profile_unlogged(runs[0], warmup + steps, profile_dir)
+    peaks = {}  # once per compute dtype
+    base = np.asarray(runs[0]["times"])
+    results = []
+    for run in runs:
+        dtype = run["setup"].cfg.precision.compute_dtype  # bfloat16 against a bfloat16 matmul
+        peaks[dtype] = peaks.get(dtype) or run["setup"].peak(meters[dtype])
+        results.append(result(run, base, steps, peaks[dtype]))
+        if breakdown is not None and run is runs[0]:
+            results[-1]["profile"] = breakdown
+    return results
+
+
+def compile_variants(variants) -> list[dict]:
+    """One run (a dict) per (cfg, mesh_sizes): its RunSetup, compiled step, synthetic batch,
+    state holder (shared between variants of one state layout), compile time and memory."""
     runs, shared = [], {}
     for cfg, sizes in variants:
-        trainer = make_trainer(cfg, make_mesh(sizes, dcn=dcn_sizes(cfg)))
+        setup = prepare_run(cfg, sizes)
+        trainer = setup.trainer
         key = state_layout(trainer)
         reuse = key in shared
         if not reuse:
@@ -89,31 +110,38 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
         t = time.perf_counter()
         with use_mesh(trainer.mesh, trainer.rules):
             compiled = trainer.jitted_step.lower(shared[key]["state"], batch).compile()
-        runs.append(dict(cfg=cfg, sizes=sizes, trainer=trainer, compiled=compiled, batch=batch,
+        runs.append(dict(setup=setup, trainer=trainer, compiled=compiled, batch=batch,
                          holder=shared[key], compile_s=time.perf_counter() - t,
                          memory=memory_analysis(compiled), times=[], reuse=reuse,
                          faults=0, system_s=0.0))
+    return runs
 
-    def step(run):
-        with use_mesh(run["trainer"].mesh, run["trainer"].rules):
-            holder = run["holder"]
-            holder["state"], run["metrics"] = run["compiled"](holder["state"], run["batch"])
-            jax.block_until_ready(run["metrics"])
 
-    # a measured peak (CPU) is sampled once a round as well: see metrics.flops.MatmulPeak
+def run_step(run: dict) -> None:
+    """One step of a run on its holder's state; waits for it."""
+    with use_mesh(run["trainer"].mesh, run["trainer"].rules):
+        holder = run["holder"]
+        holder["state"], run["metrics"] = run["compiled"](holder["state"], run["batch"])
+        jax.block_until_ready(run["metrics"])
+
+
+def time_in_turns(runs: list[dict], *, steps: int, warmup: int) -> dict:
+    """`warmup` untimed rounds, then `steps` timed ones (each run first in turn), adding step
+    times, page faults and system CPU to each run; returns {compute dtype: peak meter or None},
+    each meter sampled once a round as well (see metrics.flops.MatmulPeak)."""
     meters = {}
     for run in runs:
-        dtype = run["cfg"].precision.compute_dtype
+        dtype = run["setup"].cfg.precision.compute_dtype
         if dtype not in meters:
-            meters[dtype] = peak_meter(run["cfg"])
+            meters[dtype] = peak_meter(run["setup"].cfg)
     for _ in range(warmup):
         for run in runs:
-            step(run)
+            run_step(run)
     for i in range(steps):
         for run in runs[i % len(runs):] + runs[:i % len(runs)]:  # each goes first in turn
             before = resource.getrusage(resource.RUSAGE_SELF)  # all threads, XLA's included
             t = time.perf_counter()
-            step(run)
+            run_step(run)
             run["times"].append(time.perf_counter() - t)
             after = resource.getrusage(resource.RUSAGE_SELF)
             run["faults"] += after.ru_minflt - before.ru_minflt
@@ -121,47 +149,43 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
         for meter in meters.values():
             if meter is not None:
                 meter.sample()
-    breakdown = None
-    if profile_dir:
-        run = runs[0]
-        # trace steps the train loop would not log: a logged step (1 in logging.every_steps)
-        # also computes the update ratios and the param norm, three more passes over the
-        # params, and 1 traced step in 3 would weigh them 3x in the per-step breakdown
-        done = warmup + steps  # a profiled bench has one variant: its steps so far
-        for _ in range(unlogged_offset(done, run["cfg"])):
-            step(run)
-        with use_mesh(run["trainer"].mesh, run["trainer"].rules):
-            breakdown = profile_steps(run["compiled"], run["holder"]["state"], run["batch"],
-                                      profile_dir)
-    peaks = {}  # once per compute dtype
-    base = np.asarray(runs[0]["times"])
-    results = []
-    for run in runs:
-        cfg, times, metrics = run["cfg"], np.asarray(run["times"]), run["metrics"]
-        step_time = float(np.median(times))
-        tokens = cfg.data.global_batch_size * cfg.data.seq_len
-        model_flops = flops_per_token(cfg) * tokens
-        dtype = cfg.precision.compute_dtype  # a bfloat16 run against a bfloat16 matmul
-        peak, peak_source = peaks[dtype] = peaks.get(dtype) or peak_flops(cfg, meters[dtype])
-        results.append({
-            "tokens_per_second": tokens / step_time, "step_time_s": step_time,
-            "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),
-            "paired_ratio": float(np.median(times / base)), "step_times_s": times.tolist(),
-            "shared_state": run["reuse"],
-            "model_flops_per_step": model_flops, "flop_convention": FLOP_CONVENTION,
-            "mfu": model_flops / step_time / peak,
-            "peak_flops": peak, "peak_source": peak_source, "compile_time_s": run["compile_s"],
-            "devices": jax.device_count(), "allocator": malloc.in_use(),
-            # the kernel's share: page faults and system CPU time a timed step (malloc.py)
-            "minor_faults_per_step": run["faults"] / steps,
-            "system_cpu_s_per_step": run["system_s"] / steps,
-            "mesh": {k: v for k, v in run["sizes"].items() if v > 1},
-            "loss": float(metrics["loss"]),
-            "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **run["memory"],
-            **device_peak_bytes(),
-            **({"profile": breakdown} if breakdown is not None and run is runs[0] else {}),
-        })
-    return results
+    return meters
+
+
+def profile_unlogged(run: dict, done: int, profile_dir: str) -> dict[str, list[dict]]:
+    """profile_steps of `run` after `done` steps, on steps the train loop would not log: a
+    logged step (1 in logging.every_steps) also computes the update ratios and the param
+    norm, three more passes over the params, and 1 traced step in 3 would weigh them 3x in
+    the per-step breakdown."""
+    for _ in range(unlogged_offset(done, run["setup"].cfg)):
+        run_step(run)
+    with use_mesh(run["trainer"].mesh, run["trainer"].rules):
+        return profile_steps(run["compiled"], run["holder"]["state"], run["batch"], profile_dir)
+
+
+def result(run: dict, base: np.ndarray, steps: int, peak: tuple[float, str]) -> dict:
+    """A timed run's figures (module docstring); `base`: the first run's step times, for
+    paired_ratio; `peak`: (FLOP/s, source) for its compute dtype."""
+    setup, times, metrics = run["setup"], np.asarray(run["times"]), run["metrics"]
+    step_time = float(np.median(times))
+    peak_flops, peak_source = peak
+    return {
+        "tokens_per_second": setup.tokens_per_step / step_time, "step_time_s": step_time,
+        "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),
+        "paired_ratio": float(np.median(times / base)), "step_times_s": times.tolist(),
+        "shared_state": run["reuse"],
+        "model_flops_per_step": setup.model_flops, "flop_convention": FLOP_CONVENTION,
+        "mfu": setup.model_flops / step_time / peak_flops,
+        "peak_flops": peak_flops, "peak_source": peak_source, "compile_time_s": run["compile_s"],
+        "devices": jax.device_count(), "allocator": malloc.in_use(),
+        # the kernel's share: page faults and system CPU time a timed step (malloc.py)
+        "minor_faults_per_step": run["faults"] / steps,
+        "system_cpu_s_per_step": run["system_s"] / steps,
+        "mesh": setup.mesh_shape,
+        "loss": float(metrics["loss"]),
+        "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **run["memory"],
+        **device_peak_bytes(),
+    }
 
 
 def device_peak_bytes() -> dict[str, int]:
@@ -169,7 +193,9 @@ def device_peak_bytes() -> dict[str, int]:
     where the backend reports it (GPU), else {}: what was really allocated, next to XLA's
     compile-time estimate. It never resets, so compare variants in separate processes."""
     stats = jax.devices()[0].memory_stats() or {}
-    return {"device_peak_bytes": int(stats["peak_bytes_in_use"])} if "peak_bytes_in_use" in stats else {}
+    if "peak_bytes_in_use" not in stats:
+        return {}
+    return {"device_peak_bytes": int(stats["peak_bytes_in_use"])}
 
 
 PROFILE_STEPS = 3

@@ -1,4 +1,4 @@
-"""The host side of the training loop, per logging window (issue 8): how long the host waited
+"""The host side of the training loop, per logging window: how long the host waited
 for data and for the device, whether the device ever sat idle for want of a step, and how much
 CPU the host's own threads and data workers used."""
 
@@ -25,9 +25,8 @@ class HostTiming:
     On a CPU backend the host's threads also slow the step itself by sharing its cores:
     `host_cpu_s` is the CPU time per step of the host side (see host_cpu_ns) and
     `host_cpu_fraction` its share of the window's core time (wall x usable cores), the most
-    it can take from the step there. Issue 8: comparing the loop's step time with `maxmoe
-    bench` in another process could not resolve it (single comparisons from -24% to +19% on
-    a shared 2-core host).
+    it can take from the step there (comparing the loop's step time with `maxmoe bench` in
+    another process cannot resolve it on a shared host).
     """
 
     def __init__(self):

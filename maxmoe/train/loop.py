@@ -9,21 +9,27 @@ Fault tolerance (README "Multi-host launch and fault tolerance"):
 - SIGTERM: every process stops after the same step, saves it and returns with
   summary["preempted"] = True (the CLI then exits with code 75).
 
-Host and device overlap (issue 8): the loop never waits for a step before it has dispatched
+Host and device overlap: the loop never waits for a step before it has dispatched
 the next one. While the device runs step N+1 the host reads step N's metrics (guards,
 logging) and the data thread's next batch is sharded; the host's guard decisions therefore
 land one step late (guards.py). A step whose state is read on the host (saved, evaluated,
 the last one, a SIGTERM stop) is settled before anything else happens, so no checkpoint
 holds a state that a guard has not cleared. metrics.jsonl gets the host-side costs per
 logging window (see metrics/host.py).
+
+Cadences are hooks, run in order after a step: eval (train.eval_every_steps), the metrics
+writer (logging.every_steps, the last step and every eval step) and the checkpoint save
+(checkpoint.every_steps and the last step). See `Hook`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -31,15 +37,13 @@ import numpy as np
 from maxmoe.config import Config, fail, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
-from maxmoe.metrics.flops import flops_per_token, peak_flops
 from maxmoe.metrics.host import HostTiming
 from maxmoe.metrics.writers import MetricsWriter
-from maxmoe.model.spec import describe_pipeline
-from maxmoe.sharding import global_batch, make_mesh, use_mesh
+from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
-from maxmoe.train.step import DIAGNOSTICS, make_trainer, writes_metrics
-from maxmoe.validation import dcn_sizes
+from maxmoe.train.setup import RunSetup, prepare_run
+from maxmoe.train.step import DIAGNOSTICS
 
 
 def log(msg: str) -> None:
@@ -105,164 +109,291 @@ def make_evaluator(cfg: Config, trainer, tokenizer):
     return evaluate
 
 
-def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
-    """Trains to cfg.train.steps (resuming from the run directory); returns a summary."""
-    run_dir = Path(cfg.run.dir).resolve()
-    writer_process = jax.process_index() == 0
-    if writer_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
+@dataclasses.dataclass
+class LogWindow:
+    """What accumulates between two logged steps: how many steps, since when, the time spent
+    on other work (evaluation), and the host's waits and CPU (`timing`). `close` turns it into
+    the record metrics.jsonl gets; the run's first step compiles, so a window starts at its end."""
+    setup: RunSetup
+    peak: float  # FLOP/s of all devices, for MFU
+    timing: HostTiming
+    started: float | None = None  # perf_counter at the start; None until the first step ended
+    steps: int = 0  # steps counted since `started`
+    excluded_s: float = 0.0  # not training time (evaluation): kept out of tokens/s
+    last: dict | None = None  # the newest closed record
 
-    tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
-    if tokenizer.vocab_size != cfg.model.vocab_size:
-        fail("model.vocab_size", cfg.model.vocab_size, None, f"the tokenizer at {tokenizer.path} "
-             f"has {tokenizer.vocab_size} tokens",
-             f"set model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
-    dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
-                           process_count=jax.process_count())
-    mesh = make_mesh(mesh_sizes, dcn=dcn_sizes(cfg))
-    trainer = make_trainer(cfg, mesh)
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-    layout, config_json = data_layout(cfg), to_dict(cfg)
-    preemption = _Preemption(ckpt)  # from here on, SIGTERM means: save after the next step
+    def count(self) -> bool:
+        """Counts one finished step; True if it was the run's first (the window starts now)."""
+        if self.started is None:
+            self.started = time.perf_counter()
+            self.timing.reset()
+            return True
+        self.steps += 1
+        return False
 
-    t = time.perf_counter()
-    resumed = ckpt.resume(trainer.abstract_state, lambda: iter(dataset), layout, config_json)
-    for bad in resumed.quarantined if resumed else []:
-        log(f"warning: checkpoint step {bad.name} could not be restored (corrupt or "
-            f"incomplete); moved it to {bad}")
-    if resumed is not None:
-        state, start, data_iter = resumed.state, resumed.step, resumed.data_iterator
-        resume_s = time.perf_counter() - t
-        log(f"resumed from {ckpt.directory / str(start)} in {resume_s:.1f}s")
-        if not resumed.data_restored:
-            # Grain's position is per process and worker: with another layout, continue the
-            # new layout's stream after its first `start` batches (see the module docstring)
-            t = time.perf_counter()
-            for _ in range(start):
-                next(data_iter)
-            log(f"data: the checkpoint's iterator position is for another process count or "
-                f"data config; skipped {start} batches of the new stream in "
-                f"{time.perf_counter() - t:.1f}s instead")
-    else:
-        state, start, data_iter, resume_s = trainer.init(), 0, iter(dataset), None
-    total = cfg.train.steps
-    shape = " x ".join(f"{k}={v}" for k, v in mesh_sizes.items() if v > 1) or "1 device"
-    log(f"mesh {shape}; run dir {run_dir}; steps {start} -> {total}")
-    pipeline_line = describe_pipeline(cfg.model, mesh_sizes["pipeline"])
-    if pipeline_line:
-        log(pipeline_line)
-    if start >= total:
-        preemption.restore()
-        ckpt.close()
-        log("nothing to do: the run already reached train.steps (raise it to train further)")
-        return {"start_step": start, "final_step": start, "preempted": False}
-
-    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-    model_flops = flops_per_token(cfg) * tokens_per_step
-    peak, peak_source = peak_flops(cfg)
-    log(f"model FLOPs/step {model_flops:.3e}; peak {peak:.3e} FLOP/s ({peak_source})")
-    writer = MetricsWriter(run_dir, total_steps=total, start_step=start, enabled=writer_process,
-                           progress_bar=cfg.logging.progress_bar)
-    evaluate = make_evaluator(cfg, trainer, tokenizer) if cfg.train.eval_every_steps else None
-    guard = Guard(cfg.guard, log)
-    timing = HostTiming()
-    summary = {"start_step": start, "first_loss": None, "preempted": False, "resume_s": resume_s,
-               "save_blocking_s": []}
-    window = {"start": None, "steps": 0}
-    t0 = time.perf_counter()
-
-    def saved_at(done: int) -> bool:
-        # the Checkpointer's FixedIntervalPolicy; the last and the preempted step are forced
-        return cfg.checkpoint.enabled and done % cfg.checkpoint.every_steps == 0
-
-    def settle(done: int, metrics: dict):
-        """Guard decisions on step `done` -> (host metrics, None) or (None, (state, step)) after
-        a rollback. Raises TrainingStopped before anything of the step is saved."""
-        host = timing.fetch(metrics)
-        decision = guard.observe(done, host)  # guards.py: skip / rollback / stop
-        if decision.action is Action.STOP:
-            raise TrainingStopped(decision.message)
-        if decision.action is not Action.CONTINUE:
-            log(decision.message)
-        if decision.action is Action.ROLLBACK:
-            restored = guard.rollback(done, ckpt, trainer.abstract_state, data_iter)
-            if restored is not None:
-                return None, restored
-        return host, None
-
-    def record(done: int, host: dict, last: bool, eval_metrics=None, eval_s: float = 0.0):
-        """Counts step `done` into the logging window; writes the window when it ends."""
-        if window["start"] is None:  # the first step compiles: time from its end on
-            window["start"], window["steps"] = time.perf_counter(), 0
-            summary["compile_and_first_step_s"] = window["start"] - t0
-            summary["first_loss"] = float(host["loss"])
-            timing.reset()
-        else:
-            window["steps"] += 1
-        if not (writes_metrics(done, cfg) or last):
-            return
-        steps = window["steps"]
-        elapsed = time.perf_counter() - window["start"] - eval_s
-        tps = tokens_per_step * steps / elapsed if steps else 0.0
-        window["start"], window["steps"] = time.perf_counter(), 0
+    def close(self, host: dict, extra: dict) -> dict:
+        """The record of the step whose host metrics are `host` (plus hooks' `extra`, e.g. the
+        eval loss), with tokens/s, MFU and host costs over the window; starts the next one."""
+        steps, tokens = self.steps, self.setup.tokens_per_step
+        elapsed = time.perf_counter() - self.started - self.excluded_s
+        tps = tokens * steps / elapsed if steps else 0.0
+        self.started, self.steps, self.excluded_s = time.perf_counter(), 0, 0.0
         # a step cut short by SIGTERM has no DIAGNOSTICS (NaN): left out, not written as NaN
         rec = {k: v for k, v in host.items()
                if np.ndim(v) == 0 and not (k in DIAGNOSTICS and np.isnan(v))}
         rec.setdefault("activation_rms_max",  # all layers, from the step (guards)
                        float(np.max(host.get("activation_rms", 0.0))))
-        rec.update(tokens_per_second=tps, mfu=tps / tokens_per_step * model_flops / peak,
-                   step_time_s=tokens_per_step / tps if tps else None)
-        rec.update(timing.window(steps, elapsed) if steps else {})
-        rec.update(eval_metrics or {})
-        writer.write(done, rec)
-        summary.update(last_loss=float(host["loss"]), tokens_per_second=tps, mfu=rec["mfu"],
-                       host_overhead_fraction=rec.get("host_overhead_fraction"))
+        rec.update(tokens_per_second=tps, mfu=tps / tokens * self.setup.model_flops / self.peak,
+                   step_time_s=tokens / tps if tps else None)
+        if steps:
+            rec.update(self.timing.window(steps, elapsed))
+        else:  # the first step's own record: the next window's host costs start now
+            self.timing.reset()
+        rec.update(extra)
+        self.last = rec
+        return rec
 
-    def next_batch():
-        return global_batch(timing.next_batch(data_iter), trainer.batch_sharding)
 
+@dataclasses.dataclass
+class StepEnd:
+    """What a hook sees of a finished step (after the guards cleared it)."""
+    step: int  # steps done so far (1-based)
+    last: bool  # the run's last step: train.steps, or the step a SIGTERM stops after
+    host: dict  # the step's metrics on the host
+    window: LogWindow
+    state: Any = None  # the train state after the step; None when read one step late
+    extra: dict = dataclasses.field(default_factory=dict)  # hooks' metrics (eval loss) to log
+    _record: dict | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def record(self) -> dict:
+        """The logged record of this step (closes the logging window on the first call)."""
+        if self._record is None:
+            self._record = self.window.close(self.host, self.extra)
+        return self._record
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """`fn(event: StepEnd)` after step N when N % every == 0, and after the run's last step if
+    `at_end` (levanter's cadence); hooks run in the order they are registered.
+
+    reads_state: it needs the step's state (save, eval): the loop settles such a step at once
+    instead of one step late. writes: a metrics writer; it also runs at a step where an earlier
+    hook added metrics (`event.extra`, the eval loss), so they reach every writer. A new writer
+    (TensorBoard, W&B) is one more `Hook(cfg.logging.every_steps, fn, at_end=True, writes=True)`.
+    """
+    every: int  # 0: no cadence
+    fn: Callable[[StepEnd], None]
+    at_end: bool = False
+    reads_state: bool = False
+    writes: bool = False
+
+    def due(self, step: int, last: bool, extra: bool = False) -> bool:
+        return ((self.every > 0 and step % self.every == 0) or (self.at_end and last)
+                or (self.writes and extra))
+
+
+def _open_run_dir(cfg: Config) -> Path:
+    """The run directory, created with the resolved config in it (by process 0)."""
+    run_dir = Path(cfg.run.dir).resolve()
+    if jax.process_index() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    return run_dir
+
+
+def _load_tokenizer(cfg: Config):
+    """The data's tokenizer; a vocabulary of another size than the model's is a config error."""
+    tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        fail("model.vocab_size", cfg.model.vocab_size, None, f"the tokenizer at {tokenizer.path} "
+             f"has {tokenizer.vocab_size} tokens",
+             f"set model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
+    return tokenizer
+
+
+def _resume(ckpt: Checkpointer, trainer, dataset, layout: dict, config_json: dict):
+    """(state, start step, data iterator, seconds the restore took or None): the newest
+    checkpoint that reads back, else a fresh state at step 0."""
+    t = time.perf_counter()
+    resumed = ckpt.resume(trainer.abstract_state, lambda: iter(dataset), layout, config_json)
+    for bad in resumed.quarantined if resumed else []:
+        log(f"warning: checkpoint step {bad.name} could not be restored (corrupt or "
+            f"incomplete); moved it to {bad}")
+    if resumed is None:
+        return trainer.init(), 0, iter(dataset), None
+    state, start, data_iter = resumed.state, resumed.step, resumed.data_iterator
+    resume_s = time.perf_counter() - t
+    log(f"resumed from {ckpt.directory / str(start)} in {resume_s:.1f}s")
+    if not resumed.data_restored:
+        # Grain's position is per process and worker: with another layout, continue the
+        # new layout's stream after its first `start` batches (see the module docstring)
+        t = time.perf_counter()
+        for _ in range(start):
+            next(data_iter)
+        log(f"data: the checkpoint's iterator position is for another process count or "
+            f"data config; skipped {start} batches of the new stream in "
+            f"{time.perf_counter() - t:.1f}s instead")
+    return state, start, data_iter, resume_s
+
+
+def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
+    """Trains to cfg.train.steps (resuming from the run directory); returns a summary."""
+    run_dir = _open_run_dir(cfg)
+    tokenizer = _load_tokenizer(cfg)
+    dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
+                           process_count=jax.process_count())
+    setup = prepare_run(cfg, mesh_sizes)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    layout, config_json = data_layout(cfg), to_dict(cfg)
+    preemption = _Preemption(ckpt)  # from here on, SIGTERM means: save after the next step
+    state, start, data_iter, resume_s = _resume(ckpt, setup.trainer, dataset, layout, config_json)
+    total = cfg.train.steps
+    shape = " x ".join(f"{k}={v}" for k, v in setup.mesh_shape.items()) or "1 device"
+    log(f"mesh {shape}; run dir {run_dir}; steps {start} -> {total}")
+    if setup.pipeline_line:
+        log(setup.pipeline_line)
+    if start >= total:
+        preemption.restore()
+        ckpt.close()
+        log("nothing to do: the run already reached train.steps (raise it to train further)")
+        return {"start_step": start, "final_step": start, "preempted": False}
+    peak, peak_source = setup.peak()
+    log(f"model FLOPs/step {setup.model_flops:.3e}; peak {peak:.3e} FLOP/s ({peak_source})")
+    writer = MetricsWriter(run_dir, total_steps=total, start_step=start,
+                           enabled=jax.process_index() == 0, progress_bar=cfg.logging.progress_bar)
+    loop = _Loop(setup, ckpt, data_iter, preemption, LogWindow(setup, peak, HostTiming()))
+    loop.hooks += [
+        *([Hook(cfg.train.eval_every_steps, loop.evaluator(tokenizer), reads_state=True)]
+          if cfg.train.eval_every_steps else []),
+        Hook(cfg.logging.every_steps, lambda e: writer.write(e.step, e.record()), at_end=True,
+             writes=True),
+        Hook(cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0,
+             loop.saver(config_json, layout), at_end=True, reads_state=True),
+    ]
+    summary = {"start_step": start, "first_loss": None, "preempted": False, "resume_s": resume_s,
+               "save_blocking_s": loop.save_blocking_s}
     try:
+        final_step = loop.run(state, start, summary)
+    finally:
+        preemption.restore()
+        writer.close()
+        ckpt.close()
+        data_iter.close()  # stops the prefetch thread
+    rec = loop.window.last  # the newest logged step's figures
+    if rec is not None:
+        summary.update(last_loss=float(rec["loss"]), tokens_per_second=rec["tokens_per_second"],
+                       mfu=rec["mfu"], host_overhead_fraction=rec.get("host_overhead_fraction"))
+    summary["final_step"] = final_step
+    return summary
+
+
+class _Loop:
+    """The steps of one run: dispatch, guards one step late, hooks (module docstring)."""
+
+    def __init__(self, setup: RunSetup, ckpt: Checkpointer, data_iter, preemption: _Preemption,
+                 window: LogWindow):
+        self.setup, self.trainer, self.ckpt = setup, setup.trainer, ckpt
+        self.data_iter, self.preemption, self.window = data_iter, preemption, window
+        self.timing = window.timing
+        self.guard = Guard(setup.cfg.guard, log)
+        self.hooks: list[Hook] = []
+        self.save_blocking_s: list[float] = []
+        self.t0 = 0.0  # when the loop started: the first step's compile time counts from it
+
+    def evaluator(self, tokenizer) -> Callable[[StepEnd], None]:
+        """The eval hook: the validation loss of the step's state into `event.extra`."""
+        evaluate = make_evaluator(self.setup.cfg, self.trainer, tokenizer)
+
+        def run_eval(event: StepEnd) -> None:
+            t = time.perf_counter()
+            event.extra[EVAL_LOSS] = evaluate(event.state)
+            self.window.excluded_s += time.perf_counter() - t  # not training time
+            self.timing.busy_now()
+            log(f"step {event.step}: eval loss {event.extra[EVAL_LOSS]:.4f}")
+        return run_eval
+
+    def saver(self, config_json: dict, layout: dict) -> Callable[[StepEnd], None]:
+        """The save hook: an async checkpoint (forced at the last step), with the eval loss
+        that ranks it for checkpoint.keep_best."""
+        def save(event: StepEnd) -> None:
+            t = time.perf_counter()
+            # the iterator has handed out exactly `step` batches: the next one is fetched after
+            if self.ckpt.save(event.step, event.state, self.data_iter, force=event.last,
+                              config=config_json, meta=layout, metrics=event.extra or None):
+                self.save_blocking_s.append(round(time.perf_counter() - t, 3))
+        return save
+
+    def settle(self, done: int, metrics: dict):
+        """Guard decisions on step `done` -> (host metrics, None) or (None, (state, step)) after
+        a rollback. Raises TrainingStopped before anything of the step is saved."""
+        host = self.timing.fetch(metrics)
+        decision = self.guard.observe(done, host)  # guards.py: skip / rollback / stop
+        if decision.action is Action.STOP:
+            raise TrainingStopped(decision.message)
+        if decision.action is not Action.CONTINUE:
+            log(decision.message)
+        if decision.action is Action.ROLLBACK:
+            restored = self.guard.rollback(done, self.ckpt, self.trainer.abstract_state,
+                                           self.data_iter)
+            if restored is not None:
+                return None, restored
+        return host, None
+
+    def finish(self, event: StepEnd, summary: dict) -> None:
+        """Counts a settled step into the logging window, then runs the hooks due at it
+        (state hooks only when `event.state` is there)."""
+        if self.window.count():  # the first step compiles: time from its end on
+            summary["compile_and_first_step_s"] = self.window.started - self.t0
+            summary["first_loss"] = float(event.host["loss"])
+        for hook in self.hooks:
+            if (event.state is not None or not hook.reads_state) and hook.due(
+                    event.step, event.last, bool(event.extra)):
+                hook.fn(event)
+
+    def reads_state(self, done: int) -> bool:
+        """Whether step `done` is settled at once: a hook reads its state, or it is the first."""
+        return self.window.started is None or any(
+            h.reads_state and h.due(done, False) for h in self.hooks)
+
+    def next_batch(self):
+        return global_batch(self.timing.next_batch(self.data_iter), self.trainer.batch_sharding)
+
+    def run(self, state, start: int, summary: dict) -> int:
+        """Steps from `start` to train.steps (or a SIGTERM); returns the last step done.
+
+        One step late: step N is dispatched before step N-1's metrics are read, so the device
+        runs step N while the host settles N-1 (guards, logging). A step whose state a hook
+        reads, the first and the last are settled before anything else happens."""
+        total, trainer, timing = self.setup.cfg.train.steps, self.trainer, self.timing
+        self.t0 = time.perf_counter()
         step, batch, pending = start, None, None
         while step < total:  # a guard rollback moves `step` back
             if batch is None:
-                batch = next_batch()
+                batch = self.next_batch()
             timing.dispatching()
             state, metrics = trainer.step(state, batch)
             timing.dispatched(metrics)
             done, batch = step + 1, None
-            stop = preemption.reached(done)
+            stop = self.preemption.reached(done)
             last = done == total or stop
             timing.probe()
             if pending is not None:
                 # step done-1, one step late: the device runs step `done` meanwhile. A bad
                 # update was already kept out of `state` by the step itself (its lax.cond).
-                host, restored = settle(*pending)
+                host, restored = self.settle(*pending)
                 pending = None
                 if restored is not None:  # step `done`, still running, is dropped
                     state, step = restored
                     continue
-                record(done - 1, host, False)
-            evaluating = evaluate is not None and done % cfg.train.eval_every_steps == 0
-            if last or evaluating or saved_at(done) or window["start"] is None:
+                self.finish(StepEnd(done - 1, False, host, self.window), summary)
+            if last or self.reads_state(done):
                 # its state is read now: settle it first, so a bad state is never saved
-                host, restored = settle(done, metrics)
+                host, restored = self.settle(done, metrics)
                 if restored is not None:
                     state, step = restored
                     continue
-                eval_metrics, eval_s = None, 0.0
-                if evaluating:
-                    t = time.perf_counter()
-                    eval_metrics = {EVAL_LOSS: evaluate(state)}
-                    eval_s = time.perf_counter() - t  # not training time: kept out of tokens/s
-                    timing.busy_now()
-                    log(f"step {done}: eval loss {eval_metrics[EVAL_LOSS]:.4f}")
-                record(done, host, last, eval_metrics, eval_s)
-                t = time.perf_counter()
-                # the iterator has handed out exactly `done` batches: the next one is fetched below
-                if ckpt.save(done, state, data_iter, force=last, config=config_json,
-                             meta=layout, metrics=eval_metrics):
-                    summary["save_blocking_s"].append(round(time.perf_counter() - t, 3))
+                self.finish(StepEnd(done, last, host, self.window, state), summary)
                 if stop:
                     summary["preempted"] = done < total
                     log(f"SIGTERM: saved step {done}, exiting")
@@ -271,11 +402,5 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
                 pending = (done, metrics)
             step = done
             if step < total:
-                batch = next_batch()  # sharded while step `done` runs
-    finally:
-        preemption.restore()
-        writer.close()
-        ckpt.close()
-        data_iter.close()  # stops the prefetch thread
-    summary["final_step"] = done
-    return summary
+                batch = self.next_batch()  # sharded while step `done` runs
+        return done

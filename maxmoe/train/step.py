@@ -132,9 +132,7 @@ def writes_metrics(done, cfg: Config):
     logging.every_steps, the last step and every eval step. Python ints or traced arrays.
 
     The step computes DIAGNOSTICS only then, as Megatron computes its params norm only on
-    logging iterations: three passes over the parameters, ~7 ms of a ~370 ms step at the
-    issue-8 reference shape (optimizer + other 46.0 / 46.6 ms with logging.every_steps=1,
-    39.8 / 39.0 ms with 1000, adjacent profiles)."""
+    logging iterations: they cost three passes over the parameters."""
     hit = (done % cfg.logging.every_steps == 0) | (done == cfg.train.steps)
     if cfg.train.eval_every_steps:
         hit = hit | (done % cfg.train.eval_every_steps == 0)
@@ -147,7 +145,7 @@ def update_ratios(new_params, params) -> jax.Array:
 
     From the applied change rather than optax's update tree: the update then has one reader
     (the new params) and XLA fuses it away instead of writing it out and reading it back for
-    these sums (XLA:CPU has no multi-output fusion; issue 8)."""
+    these sums (XLA:CPU has no multi-output fusion)."""
     def ratio(new, old, stacked: bool):
         def sq(leaves):
             return sum(jnp.sum(jnp.square(x.astype(jnp.float32)),
@@ -166,17 +164,11 @@ def update_ratios(new_params, params) -> jax.Array:
     return jnp.concatenate(ratios)
 
 
-def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
-                    device_opt_shardings=None):
-    """Builds the pure step; every variant (accumulation, precision, offload) is chosen here.
-
-    device_opt_shardings: the optimizer state's device shardings when it is kept in host
-    memory (the step moves it in, updates it on the device, and out_shardings move it back).
-    """
+def make_gradients(cfg: Config, graphdef, micro_spec: P):
+    """(params, batch, buffers, scale_state) -> (grads, metrics) averaged over
+    train.grad_accum_steps microbatches (a scan), the loss scaled under float16."""
     accum = cfg.train.grad_accum_steps
-    bias_speed = cfg.moe.bias_update_speed
     scaler = make_loss_scaler(cfg.precision)
-    step_guard = StepGuard.from_config(cfg.guard)
 
     def loss_fn(params, batch, buffers, scale_state):
         loss, metrics = nnx.merge(graphdef, params, *buffers).loss(batch)
@@ -206,6 +198,57 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
         return jax.tree.map(lambda x: x / accum, (grads, metrics))
 
+    return gradients
+
+
+def when_logged(diagnose, f, *args):
+    """f(*args) on the steps whose metrics the loop writes (`diagnose`), NaN of its shape on
+    the others: one branch runs (lax.cond)."""
+    out = jax.eval_shape(f, *args)
+    return jax.lax.cond(diagnose, f, lambda *_: jnp.full(out.shape, jnp.nan, out.dtype), *args)
+
+
+def guarded_update(optimizer, apply, diagnose, grads, grad_norm, params, opt_state):
+    """(new params, new optimizer state, [L] update ratios): the optimizer's update where
+    `apply`, else params and optimizer state bit for bit as they were and zero ratios."""
+    # one branch runs, so an applied step pays nothing for the guard (a select over every
+    # leaf would read and write all of them)
+    def update(_):
+        with jax.named_scope("optimizer"):
+            updates, new_opt_state = optimizer.update(grads, opt_state, params,
+                                                      grad_norm=grad_norm)
+            new_params = optax.apply_updates(params, updates)
+            return new_params, new_opt_state, when_logged(diagnose, update_ratios, new_params,
+                                                          params)
+
+    def keep(_):
+        ratios = jax.eval_shape(update, None)[2]
+        return params, opt_state, jnp.zeros(ratios.shape, ratios.dtype)
+
+    return jax.lax.cond(apply, update, keep, None)
+
+
+def updated_buffers(graphdef, new_params, buffers, metrics: dict, bias_speed: float, apply):
+    """The router-bias buffers after the step: moved by aux-loss-free balancing (once per
+    optimizer step, from this step's load) where `apply` and bias_speed, else unchanged."""
+    if not bias_speed:
+        return buffers
+    model = nnx.merge(graphdef, new_params, buffers)
+    model.update_router_bias(metrics["expert_load"], bias_speed)
+    return select(apply, nnx.to_pure_dict(nnx.state(model, RouterBias)), buffers)
+
+
+def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
+                    device_opt_shardings=None):
+    """Builds the pure step; every variant (accumulation, precision, offload) is chosen here.
+
+    device_opt_shardings: the optimizer state's device shardings when it is kept in host
+    memory (the step moves it in, updates it on the device, and out_shardings move it back).
+    """
+    gradients = make_gradients(cfg, graphdef, micro_spec)
+    scaler = make_loss_scaler(cfg.precision)
+    step_guard = StepGuard.from_config(cfg.guard)
+
     def train_step(state, batch):
         params = state["params"]
         buffers = (state["buffers"],) if "buffers" in state else ()
@@ -215,36 +258,17 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
             grads = scaler.unscale(grads, scale_state)
         grad_norm = optax.tree.norm(grads)
         # a NaN or inf in any gradient makes the norm non-finite: one pass over the gradients,
-        # not two (issue 8). A finite gradient above ~1e19 overflows the squared sum and counts
-        # as non-finite too, which the guard would skip anyway.
+        # not two. A finite gradient above ~1e19 overflows the squared sum and counts as
+        # non-finite too, which the guard would skip anyway.
         finite = jnp.isfinite(grad_norm)
         opt_state = state["opt_state"]
         if device_opt_shardings is not None:
             opt_state = jax.device_put(opt_state, device_opt_shardings)
         apply, guard_state, guard_metrics = step_guard.check(
             state["guard"], metrics["loss"], grad_norm, finite)
-
         diagnose = writes_metrics(state["step"] + 1, cfg)
-
-        def when_logged(f, *args):  # f(*args) on logged steps, NaN of its shape elsewhere
-            out = jax.eval_shape(f, *args)
-            return jax.lax.cond(diagnose, f, lambda *_: jnp.full(out.shape, jnp.nan, out.dtype),
-                                *args)
-
-        # a skipped step keeps params and optimizer state bit for bit: one branch runs, so an
-        # applied step pays nothing for the guard (a select over every leaf cost ~4% on CPU)
-        def update(_):
-            with jax.named_scope("optimizer"):
-                updates, new_opt_state = optimizer.update(grads, opt_state, params,
-                                                          grad_norm=grad_norm)
-                new_params = optax.apply_updates(params, updates)
-                return new_params, new_opt_state, when_logged(update_ratios, new_params, params)
-
-        def keep(_):
-            ratios = jax.eval_shape(update, None)[2]
-            return params, opt_state, jnp.zeros(ratios.shape, ratios.dtype)
-
-        new_params, new_opt_state, layer_ratio = jax.lax.cond(apply, update, keep, None)
+        new_params, new_opt_state, layer_ratio = guarded_update(
+            optimizer, apply, diagnose, grads, grad_norm, params, opt_state)
         # the optimizer's own count drives the LR and clip schedules: it is the applied steps
         applied_before = state["step"] - state["guard"]["skipped_steps"]
         metrics = dict(metrics, **{k: v.astype(jnp.int32) if v.dtype == jnp.bool_ else v
@@ -254,7 +278,7 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         rms = per_layer(metrics, cfg)
         if rms is not None:
             metrics.update(layer_activation_rms=rms, activation_rms_max=jnp.max(rms))
-        metrics["param_norm"] = when_logged(optax.tree.norm, new_params)
+        metrics["param_norm"] = when_logged(diagnose, optax.tree.norm, new_params)
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "opt_state": new_opt_state, "guard": guard_state}
         if scaler is not None:
@@ -262,12 +286,8 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
             metrics.update(loss_scale=new_state["loss_scale"]["scale"],
                            loss_scale_at_min=at_min.astype(jnp.int32))
         if buffers:
-            new_state["buffers"] = buffers[0]
-            if bias_speed:  # aux-loss-free balancing: once per optimizer step, from this load
-                model = nnx.merge(graphdef, new_params, buffers[0])
-                model.update_router_bias(metrics["expert_load"], bias_speed)
-                new_state["buffers"] = select(
-                    apply, nnx.to_pure_dict(nnx.state(model, RouterBias)), buffers[0])
+            new_state["buffers"] = updated_buffers(graphdef, new_params, buffers[0], metrics,
+                                                   cfg.moe.bias_update_speed, apply)
         return new_state, metrics
 
     return train_step

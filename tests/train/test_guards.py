@@ -13,7 +13,7 @@ import pytest
 from maxmoe.config import CheckpointConfig, GuardConfig
 from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
-from maxmoe.train import loop
+from maxmoe.train import loop, setup
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.guards import Action, Guard, StepGuard, TrainingStopped
 from tests.helpers import small_config
@@ -113,7 +113,7 @@ def _train(tmp_path, monkeypatch, name, poison, *extra):
         f"run.dir={tmp_path / name}", *extra)
     monkeypatch.setattr(loop, "load_tokenizer", lambda *a, **k: _Tokenizer())
     monkeypatch.setattr(loop, "make_dataset", lambda *a, **k: _fake_data(cfg, poison))
-    monkeypatch.setattr(loop, "make_mesh", lambda sizes, **_: make_mesh(sizes, jax.devices()[:1]))
+    monkeypatch.setattr(setup, "make_mesh", lambda sizes, **_: make_mesh(sizes, jax.devices()[:1]))
     summary = loop.train(cfg, validate(cfg, 1, origins))
     records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
     return summary, records
