@@ -26,7 +26,9 @@ above the stalls of a busy host (the tests use 30 s, the default is 100 s).
 On CPU, collectives go through Gloo, which gives the processes 30 s (fixed; not a setting in
 jax 0.10.2) to meet at the first collective of each device group. A process that compiles
 the first step more than 30 s later than another (a loaded host) fails that rendezvous
-("Gloo context initialization failed: DEADLINE_EXCEEDED"), and the job aborts.
+("Gloo context initialization failed: DEADLINE_EXCEEDED"), and the job aborts. The train
+loop therefore compiles its first step, then waits at `wait_for_processes` (the coordination
+service's barrier, which has its own timeout) before running it.
 """
 
 from __future__ import annotations
@@ -182,3 +184,14 @@ def initialize(cfg: DistributedConfig | None = None) -> Membership | None:
               "heartbeats', or says the leader task died if it was process 0)",
               file=sys.stderr, flush=True)
     return member
+
+
+def wait_for_processes(name: str, timeout_s: float) -> None:
+    """Returns once every process of the job has called it with the same `name` (a barrier of
+    jax.distributed's coordination service, through Orbax's public wrapper: no device
+    collective, so no Gloo/NCCL rendezvous deadline); at once in a one-process run."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    if jax.process_count() > 1:
+        ocp.multihost.get_barrier_sync_fn()(key=name, timeout_ms=int(timeout_s * 1000))

@@ -28,8 +28,9 @@ import dataclasses
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,6 +38,7 @@ import numpy as np
 from maxmoe.config import Config, fail, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
+from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.host import HostTiming
 from maxmoe.metrics.writers import MetricsWriter
 from maxmoe.sharding import global_batch, use_mesh
@@ -356,6 +358,18 @@ class _Loop:
         return self.window.started is None or any(
             h.reads_state and h.due(done, False) for h in self.hooks)
 
+    def compile_together(self, state, batch) -> None:
+        """With several processes: compiles the step, then waits until every process has
+        compiled it. Their first collective must meet within Gloo's fixed 30 s on CPU, less
+        than the compile-time skew of a loaded host (distributed.py). The step's jit call then
+        finds the executable in JAX's cache."""
+        if jax.process_count() == 1:
+            return
+        with use_mesh(self.trainer.mesh, self.trainer.rules):
+            self.trainer.jitted_step.lower(state, batch).compile()
+        wait_for_processes("maxmoe_first_step_compiled",
+                           self.setup.cfg.distributed.initialization_timeout_s)
+
     def next_batch(self):
         return global_batch(self.timing.next_batch(self.data_iter), self.trainer.batch_sharding)
 
@@ -367,7 +381,8 @@ class _Loop:
         reads, the first and the last are settled before anything else happens."""
         total, trainer, timing = self.setup.cfg.train.steps, self.trainer, self.timing
         self.t0 = time.perf_counter()
-        step, batch, pending = start, None, None
+        step, batch, pending = start, self.next_batch(), None
+        self.compile_together(state, batch)
         while step < total:  # a guard rollback moves `step` back
             if batch is None:
                 batch = self.next_batch()
