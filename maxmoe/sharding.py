@@ -33,13 +33,13 @@ def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None
     shape = tuple(sizes[a] for a in MESH_AXES)
     devices = list(devices if devices is not None else jax.devices())
     if int(np.prod(shape)) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {int(np.prod(shape))} devices, "
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape, strict=True))} needs {int(np.prod(shape))} devices, "
                          f"got {len(devices)}")
     types = (AxisType.Auto,) * len(MESH_AXES)
     dcn_shape = tuple((dcn or {}).get(a, 1) for a in MESH_AXES)
     if int(np.prod(dcn_shape)) == 1:
         return jax.make_mesh(shape, MESH_AXES, axis_types=types, devices=devices)
-    ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
+    ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape, strict=True))
     hosts = sorted(devices, key=lambda d: (d.process_index, d.id))
     grid = np.array(hosts, dtype=object).reshape(*dcn_shape, *ici_shape)
     n = len(MESH_AXES)  # interleave (dcn_a, ici_a) per axis, then merge each pair

@@ -13,10 +13,24 @@ from __future__ import annotations
 
 import math
 
-from maxmoe.config import (MESH_AXES, REMAT_POLICY_NAMES, AttentionConfig, CheckpointConfig,
-                           Config, DataConfig, DistributedConfig, GuardConfig, LoggingConfig,
-                           MeshConfig, ModelConfig, MoEConfig, OptimizerConfig, PrecisionConfig,
-                           TrainConfig, fail)
+from maxmoe.config import (
+    MESH_AXES,
+    REMAT_POLICY_NAMES,
+    AttentionConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DistributedConfig,
+    GuardConfig,
+    LoggingConfig,
+    MeshConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    TrainConfig,
+    fail,
+)
 from maxmoe.model.spec import layer_groups, pipeline_schedule
 
 

@@ -7,9 +7,9 @@ import numpy as np
 from flax import nnx
 
 from maxmoe.config import load_config
-from maxmoe.validation import dcn_sizes, validate
-from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
 from maxmoe.model.transformer import build_model
+from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
+from maxmoe.validation import dcn_sizes, validate
 
 SMALL = [
     "model.vocab_size=256", "model.hidden_size=64", "model.num_layers=3", "model.num_dense_layers=1",
@@ -34,7 +34,7 @@ def random_batch(cfg, seed: int = 0, docs_per_row: int = 3) -> dict[str, np.ndar
     for r in range(b):
         cuts = np.sort(rng.choice(np.arange(1, s - 2), docs_per_row - 1, replace=False))
         bounds = [0, *cuts, s - 2]  # the last two tokens are padding
-        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             segment_ids[r, lo:hi] = i + 1
             positions[r, lo:hi] = np.arange(hi - lo)
     tokens = rng.integers(1, cfg.model.vocab_size, (b, s)).astype(np.int32)

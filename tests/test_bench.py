@@ -16,8 +16,15 @@ from maxmoe import malloc
 from maxmoe.bench import benchmark
 from maxmoe.config import load_config
 from maxmoe.metrics.flops import FLOP_CONVENTION, flops_per_token
-from maxmoe.metrics.profile import (COLLECTIVES, _innermost, _share, categorize,
-                                    collective_instructions, matmul_instructions, op_names)
+from maxmoe.metrics.profile import (
+    COLLECTIVES,
+    _innermost,
+    _share,
+    categorize,
+    collective_instructions,
+    matmul_instructions,
+    op_names,
+)
 from maxmoe.model.transformer import build_model
 from maxmoe.validation import validate
 from tests.helpers import small_config

@@ -8,6 +8,7 @@ this test imports nothing it checks.
 from __future__ import annotations
 
 import ast
+import itertools
 from collections import deque
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def describe(cycle: list[str], graph, package: Path = PACKAGE) -> str:
     """`a -> b (a's file:line) -> ... -> a`: where each import of the cycle is."""
     files = module_names(package)
     steps = [cycle[0]]
-    for a, b in zip(cycle, cycle[1:]):
+    for a, b in itertools.pairwise(cycle):
         steps.append(f"{b} ({files[a].relative_to(package.parent)}:{graph[a][b]})")
     return " -> ".join(steps)
 

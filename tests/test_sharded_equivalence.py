@@ -62,7 +62,7 @@ def _check(overrides, reference):
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref)
-    for (path, g_ref), g in zip(flat_ref, flat):
+    for (path, g_ref), g in zip(flat_ref, flat, strict=True):
         np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))
     return cfg, origins

@@ -11,11 +11,11 @@ import time
 
 import jax
 
+from maxmoe.bench import synthetic_batch
 from maxmoe.config import load_config
-from maxmoe.validation import validate
 from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
-from maxmoe.bench import synthetic_batch
+from maxmoe.validation import validate
 
 SHAPE = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml"]
 

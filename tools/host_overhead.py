@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 # the loop's own per-window host figures (metrics.jsonl, maxmoe/metrics/host.py)
 LOOP_KEYS = ("data_wait_s", "host_time_s", "host_overhead_fraction", "host_cpu_s",
              "host_cpu_fraction")

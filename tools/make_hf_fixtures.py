@@ -23,9 +23,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
-                          DeepseekV3ForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
 BATCH, SEQ = 2, 12

@@ -128,8 +128,8 @@ def make_step(graphdef, tx, num_experts: int, top_k: int):
         # EasyDeL's own balance loss (HF Mixtral form, over all layers' router logits). Its
         # MixtralForCausalLM returns aux_loss = aux * (1 + coef), i.e. weight ~1: not used here.
         balance = auxiliary_load_balancing_loss_func(out.router_logits, num_experts, top_k)
-        z = jnp.mean(jnp.stack([jnp.mean(jax.nn.logsumexp(l.astype(jnp.float32), -1) ** 2)
-                                for l in out.router_logits]))
+        z = jnp.mean(jnp.stack([jnp.mean(jax.nn.logsumexp(r.astype(jnp.float32), -1) ** 2)
+                                for r in out.router_logits]))
         return ce + AUX_COEF * balance + Z_COEF * z, dict(ce=ce, balance=balance, z=z)
 
     def step(state, rest, batch):

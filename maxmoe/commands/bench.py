@@ -85,7 +85,7 @@ def run_sweep(args) -> int:
     from maxmoe.bench import benchmark_interleaved  # late: imports JAX; keeps --help free of it
 
     results = benchmark_interleaved(variants, steps=args.steps, warmup=args.warmup)
-    rows = list(zip(values, results))
+    rows = list(zip(values, results, strict=True))
     print(sweep_table(key, rows), file=sys.stderr)
     print(json.dumps({value: r for value, r in rows}))
     return 0

@@ -19,8 +19,12 @@ from maxmoe.config import Config
 from maxmoe.convert.checkpoint_io import abstract_params
 from maxmoe.convert.hf_config import config_from_hf, family_of
 from maxmoe.convert.names import hub_shape, hub_tensors, hub_to_params, mtp_shared_copies
-from maxmoe.convert.safetensors_io import (SCALE_SUFFIX, ConversionError, SafetensorsReader,
-                                           iter_names_with_scales)
+from maxmoe.convert.safetensors_io import (
+    SCALE_SUFFIX,
+    ConversionError,
+    SafetensorsReader,
+    iter_names_with_scales,
+)
 
 
 def read_hf_config(hf_dir: Path) -> dict:

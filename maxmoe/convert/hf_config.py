@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from maxmoe.config import AttentionConfig, Config, ModelConfig, MoEConfig
+from maxmoe.config import AttentionConfig, Config, MoEConfig
 from maxmoe.convert.safetensors_io import ConversionError
 
 FAMILIES = ("deepseek_v3", "deepseek_v2", "mixtral", "qwen3_moe")

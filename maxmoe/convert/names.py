@@ -45,7 +45,7 @@ def _copy(name, path, index=()) -> HubTensor:
 
 def _mlp(prefix: str, path: Path_, index: tuple, names=("gate_proj", "up_proj", "down_proj")):
     return [_linear(f"{prefix}.{hub}.weight", Part(path + (ours,), index))
-            for hub, ours in zip(names, ("gate", "up", "down"))]
+            for hub, ours in zip(names, ("gate", "up", "down"), strict=True)]
 
 
 def _attention(prefix: str, path: Path_, index: tuple, cfg: Config) -> list[HubTensor]:

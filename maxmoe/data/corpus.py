@@ -90,7 +90,7 @@ def split_documents(paths: list[str], validation_fraction: float,
     if not 0.0 <= validation_fraction < 1.0:
         fail("data.validation_fraction", validation_fraction, None, "must be in [0, 1)",
              "use e.g. 0.02")
-    scores = {p: unit_hash(k, seed) for p, k in zip(paths, document_keys(paths))}
+    scores = {p: unit_hash(k, seed) for p, k in zip(paths, document_keys(paths), strict=True)}
     validation = {p for p, s in scores.items() if s < validation_fraction}
     if validation_fraction > 0 and not validation and len(paths) >= 2:
         # A small corpus can miss the fraction by chance; evaluation still needs a document.

@@ -33,8 +33,14 @@ from maxmoe.config import ConfigError
 from maxmoe.data import shards
 from maxmoe.data.corpus import unit_hash
 from maxmoe.data.dedup import DedupOptions, NearDuplicateIndex, signature
-from maxmoe.data.filters import (FilterOptions, character_filter, content_hash,
-                                 language_filter, normalize, token_filter)
+from maxmoe.data.filters import (
+    FilterOptions,
+    character_filter,
+    content_hash,
+    language_filter,
+    normalize,
+    token_filter,
+)
 from maxmoe.data.sources import InputOptions, ReadErrors, list_inputs, read_documents
 from maxmoe.data.tokenizer import MODEL_FILE, Tokenizer
 
@@ -219,7 +225,7 @@ def _claim_directory(directory: Path, settings: dict, overwrite: bool) -> None:
 
 
 def _batches(files: list[str], options: PrepareOptions, directory: Path,
-             bars: "_Bars") -> Iterator[_Batch]:
+             bars: _Bars) -> Iterator[_Batch]:
     """The input stream cut into work batches and shards (by characters read)."""
     shard_characters = int(options.shard_megabytes * 1e6)
     shard, characters = 0, 0
@@ -245,7 +251,7 @@ def _batches(files: list[str], options: PrepareOptions, directory: Path,
 
 
 def _finish(item, state: _ShardState, directory: Path, exact: set, near, options,
-            tokenizer_hash: str, markers: list, bars: "_Bars") -> _ShardState:
+            tokenizer_hash: str, markers: list, bars: _Bars) -> _ShardState:
     """Applies one batch's results in input order; writes the shard at its last batch."""
     batch, work = item
     if batch.skip:

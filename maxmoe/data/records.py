@@ -71,6 +71,6 @@ def document_weights(datasets: list[PreparedDataset], token_shares: list[float])
     more than its share of every batch.
     """
     raw = [share / dataset.tokens_per_document()
-           for dataset, share in zip(datasets, token_shares)]
+           for dataset, share in zip(datasets, token_shares, strict=True)]
     total = sum(raw)
     return [w / total for w in raw]

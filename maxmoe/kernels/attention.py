@@ -101,6 +101,11 @@ def _attention_fwd(q, k, v, segment_ids, block_size):
     return out, (q, k, v, segment_ids, out, lse)
 
 
+def _rows_of(a: jax.Array, *, lo: int, hi: int, shape: tuple) -> jax.Array:
+    """a[:, :, :, lo:hi] reshaped to `shape`: a query block's per-row statistics as rows."""
+    return a[:, :, :, lo:hi].reshape(shape)
+
+
 def _attention_bwd(block_size, res, g):
     q, k, v, segment_ids, out, lse = res
     f32 = jnp.float32
@@ -111,7 +116,7 @@ def _attention_bwd(block_size, res, g):
     dq, dk, dv = [], jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
     for lo, hi in query_blocks(q.shape[3], block_size):
         qb, gb = _merge(q[:, :, :, lo:hi]), _merge(g[:, :, :, lo:hi].astype(v.dtype))
-        t = lambda a: a[:, :, :, lo:hi].reshape(b, kv, 1, -1)  # noqa: E731  [B, K, G, n] rows
+        t = functools.partial(_rows_of, lo=lo, hi=hi, shape=(b, kv, 1, -1))  # [B, K, G, n] rows
         bias_t = _block_bias_t(segment_ids, lo, hi, groups)
         pt = jnp.exp(dot("bktd,bkxd->bktx", k[:, :, :hi], qb) + bias_t - t(lse))  # P^T
         dst = pt * (dot("bktd,bkxd->bktx", v[:, :, :hi], gb) - t(row))  # dS^T [B, K, hi, G*n]

@@ -169,7 +169,7 @@ class Transformer(nnx.Module):
             x = self.embed(tokens)
         moe_auxs, dense_auxs = [], []
         schedule = pipeline_schedule(self.cfg, num_stages())
-        for (is_moe, _, n), stack in zip(layer_groups(self.cfg), self.layer_groups):
+        for (is_moe, _, n), stack in zip(layer_groups(self.cfg), self.layer_groups, strict=True):
             x, group_aux = run_stack(stack, x, segment_ids, positions,
                                      remat=self.cfg.remat_policy,
                                      pipeline=schedule if schedule.pipelines(n) else None)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxmoe.model.spec import PipelineSchedule
-from maxmoe.sharding import mesh_axes, current_mesh, shard
+from maxmoe.sharding import current_mesh, mesh_axes, shard
 
 # aux values summed over microbatches (then averaged); other per-token outputs are dropped
 _AUX_KEYS = ("balance_loss", "z_loss", "sequence_balance_loss", "expert_load", "activation_rms",

@@ -15,7 +15,8 @@ bit as they were; only "step", the guard counters and the loss scale move.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -151,7 +152,7 @@ def update_ratios(new_params, params) -> jax.Array:
             return sum(jnp.sum(jnp.square(x.astype(jnp.float32)),
                                axis=tuple(range(int(stacked), x.ndim))) for x in leaves)
         new, old = jax.tree.leaves(new), jax.tree.leaves(old)
-        u = sq(n.astype(jnp.float32) - o.astype(jnp.float32) for n, o in zip(new, old))
+        u = sq(n.astype(jnp.float32) - o.astype(jnp.float32) for n, o in zip(new, old, strict=True))
         return jnp.atleast_1d(jnp.sqrt(u / jnp.maximum(sq(old), 1e-30)))
 
     ratios = []

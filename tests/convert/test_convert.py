@@ -18,9 +18,9 @@ from safetensors.numpy import load_file, save_file
 import maxmoe.convert.to_hf
 from maxmoe.cli import main
 from maxmoe.config import load_config
+from maxmoe.convert import names
 from maxmoe.convert.checkpoint_io import abstract_params, restore_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
-from maxmoe.convert import names
 from maxmoe.convert.hf_config import family_for
 from maxmoe.convert.names import get_path
 from maxmoe.convert.safetensors_io import SafetensorsReader, dequantize_fp8

@@ -12,7 +12,7 @@ import pytest
 from maxmoe.config import ConfigError, DataConfig
 from maxmoe.data import corpus
 from maxmoe.data.pipeline import batch_spec, documents_for, make_dataset, padding_fraction
-from maxmoe.data.tokenizer import MODEL_FILE, Tokenizer, load_tokenizer
+from maxmoe.data.tokenizer import MODEL_FILE, load_tokenizer
 
 WORDS = ("alpha beta gamma delta epsilon lambda def return class import self value index "
          "token expert router batch shard mesh axis layer norm").split()
@@ -64,12 +64,12 @@ def _documents_in(batches, tokenizer):
     stream = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in batches])
     ends = np.flatnonzero(stream == tokenizer.eos_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
-    return [tokenizer.decode(stream[s:e]) for s, e in zip(starts, ends)]
+    return [tokenizer.decode(stream[s:e]) for s, e in zip(starts, ends, strict=True)]
 
 
 def _assert_same(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x.keys() == y.keys()
         for key in x:
             np.testing.assert_array_equal(x[key], y[key], err_msg=key)
@@ -187,7 +187,7 @@ def test_shapes_seed_and_epochs(text_setup):
     first = _take(make_dataset(cfg, tokenizer), 8)
     _assert_same(first, _take(make_dataset(cfg, tokenizer), 8))
     other = _take(make_dataset(dataclasses.replace(cfg, seed=4), tokenizer), 8)
-    assert not all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(first, other))
+    assert not all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(first, other, strict=True))
     epoch = sorted(texts[p] for p in documents_for(cfg, "train") if p in texts)
     two = _documents_in(_take(make_dataset(cfg, tokenizer, num_epochs=2)), tokenizer)
     first, second = two[:len(epoch)], two[len(epoch):]

@@ -12,8 +12,7 @@ import pytest
 import zstandard
 
 from maxmoe.config import ConfigError
-from maxmoe.data import prepare as prepare_module
-from maxmoe.data import shards
+from maxmoe.data import prepare as prepare_module, shards
 from maxmoe.data.dedup import DedupOptions, shingle_hashes
 from maxmoe.data.filters import FilterOptions
 from maxmoe.data.prepare import PrepareOptions, prepare

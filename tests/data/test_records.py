@@ -48,7 +48,7 @@ def _documents(batches, eos_id):
     stream = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in batches])
     ends = np.flatnonzero(stream == eos_id)
     starts = np.concatenate([[0], ends[:-1] + 1])
-    return [stream[s:e] for s, e in zip(starts, ends)]
+    return [stream[s:e] for s, e in zip(starts, ends, strict=True)]
 
 
 def test_tokenizer_comes_from_the_prepared_folder(prepared):
@@ -101,11 +101,11 @@ def test_resume_gives_identical_next_batches(prepared, num_workers):
     expected = _take(iterator, 5)
     resumed = iter(make_dataset(cfg, tokenizer))
     resumed.set_state(state)
-    for a, b in zip(expected, _take(resumed, 5)):
+    for a, b in zip(expected, _take(resumed, 5), strict=True):
         for key in a:
             np.testing.assert_array_equal(a[key], b[key], err_msg=key)
     other_seed = _take(make_dataset(dataclasses.replace(cfg, seed=8), tokenizer), 5)
-    assert not all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(expected, other_seed))
+    assert not all(np.array_equal(a["tokens"], b["tokens"]) for a, b in zip(expected, other_seed, strict=True))
 
 
 def test_processes_read_disjoint_shares_and_validation_is_held_out(prepared):

@@ -27,13 +27,13 @@ import numpy as np
 import pytest
 
 from maxmoe.config import load_config
-from maxmoe.validation import validate
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.loop import train
 from maxmoe.train.step import make_trainer
+from maxmoe.validation import validate
 from tests.train.test_chaos import TINY
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,6 +37,6 @@ def test_attention_core_values_and_gradients_equal_float64_reference(block_size)
         wide = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, cot)]
         ref, ref_vjp = jax.vjp(reference, *wide[:3])
         ref = [np.asarray(a) for a in (ref, *ref_vjp(wide[3]))]
-    for got, want in zip(ours, ref):
+    for got, want in zip(ours, ref, strict=True):
         assert want.dtype == np.float64
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
 from maxmoe.train.step import make_trainer
+from maxmoe.validation import validate
 from tests.helpers import random_batch, small_config
 
 DEEPSEEK = ["attention.kind=mla", "attention.num_kv_heads=4", "attention.q_lora_rank=16",

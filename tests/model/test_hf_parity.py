@@ -12,8 +12,6 @@ HF round trip of every fixture is tests/convert/test_convert.py.
 
 from pathlib import Path
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -35,10 +35,10 @@ import pytest
 from flax import nnx
 
 from maxmoe.config import load_config
-from maxmoe.validation import validate
 from maxmoe.metrics.flops import active_params_per_token
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
+from maxmoe.validation import validate
 
 PRESETS = Path(__file__).resolve().parents[2] / "configs" / "models"
 

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.validation import validate
-from maxmoe.model.transformer import SAVED_NAMES
+from maxmoe.model.transformer import SAVED_NAMES, build_model
 from maxmoe.sharding import global_batch, make_mesh
-from maxmoe.model.transformer import build_model
 from maxmoe.train.step import make_trainer
+from maxmoe.validation import validate
 from tests.helpers import random_batch, small_config
 
 # one dense and one MoE layer: every tagged tensor occurs, and it compiles quickly
@@ -45,7 +44,7 @@ def test_named_policies_give_equal_loss_and_grads(reference, policy):
     f, params = _loss_and_grad(other, batch)
     loss, got = jax.jit(f)(params)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
@@ -76,5 +75,5 @@ def test_optimizer_state_in_host_memory_trains_identically():
         assert kinds == ({"pinned_host"} if offload else {"device"})
         assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"])} == {"device"}
         states[offload] = jax.device_get(state)
-    for a, b in zip(jax.tree.leaves(states[True]), jax.tree.leaves(states[False])):
+    for a, b in zip(jax.tree.leaves(states[True]), jax.tree.leaves(states[False]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)

@@ -2,6 +2,7 @@
 the pipeline bubble against a count of the idle slots of the schedule's grid."""
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_layer_groups_cover_every_layer_in_runs_of_its_kind(fields):
     assert got == want
     assert [first for _, first, _ in groups] == [sum(n for _, _, n in groups[:g])
                                                   for g in range(len(groups))]
-    assert all(a[0] != b[0] for a, b in zip(groups, groups[1:]))
+    assert all(a[0] != b[0] for a, b in itertools.pairwise(groups))
 
 
 @pytest.mark.parametrize("kind, stages, microbatches, repeats, want_m", [

@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from maxmoe.model.moe import MoE
-from maxmoe.parallel.experts import routed_experts
 from maxmoe.model.transformer import build_model
+from maxmoe.parallel.experts import routed_experts
 from tests.helpers import random_batch, small_config, stacked
 
 
@@ -46,7 +46,7 @@ def test_scan_and_remat_give_equal_loss_and_grads(setup, variant):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     got = stacked(got)
     assert jax.tree.structure(got) == jax.tree.structure(ref)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
@@ -122,7 +122,7 @@ def test_fused_attention_equals_einsum(kind):
     ref, ref_grads = logits_and_grads(build_model(cfg, 0))
     got, got_grads = logits_and_grads(build_model(fused_cfg, 0))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads)):
+    for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(r))))
 
 
@@ -139,7 +139,7 @@ def test_causal_query_blocks_equal_one_block(kind):
     ref_loss, ref = _grads(cfg, batch)
     loss, got = _grads(blocked, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
@@ -152,12 +152,15 @@ def test_lm_head_matmul_gradients_equal_autodiff(dtype):
     x = jax.random.normal(jax.random.key(0), (2, 5, 8)).astype(dtype)
     w = jax.random.normal(jax.random.key(1), (8, 11)).astype(dtype)
     g = jax.random.normal(jax.random.key(2), (2, 5, 11))
-    ref_fn = lambda x, w: jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+
+    def ref_fn(x, w):
+        return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+
     ours, ours_vjp = jax.vjp(lm_head_matmul, x, w)
     ref, ref_vjp = jax.vjp(ref_fn, x, w)
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(ours, ref, rtol=1e-6)
-    for a, b in zip(ours_vjp(g), ref_vjp(g)):
+    for a, b in zip(ours_vjp(g), ref_vjp(g), strict=True):
         assert a.dtype == b.dtype == dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=tol, atol=tol)
@@ -186,7 +189,7 @@ def test_rms_norm_values_and_gradients_equal_float64_reference(dtype):
         ref = [np.asarray(a) for a in (ref, *ref_vjp(wide[2]))]
     assert ours[0].dtype == ours[1].dtype == dtype and ours[2].dtype == jnp.float32
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    for got, want in zip(ours, ref):
+    for got, want in zip(ours, ref, strict=True):
         np.testing.assert_allclose(np.asarray(got, np.float64), want,
                                    atol=tol * np.abs(want).max(), rtol=0)
 
@@ -224,7 +227,7 @@ def test_rope_values_and_gradients_equal_float64_reference(interleave):
         ref, ref_vjp = jax.vjp(reference, wide[0])
         ref = [np.asarray(a) for a in (ref, ref_vjp(wide[1])[0])]
     assert scale != 1.0
-    for got, want in zip(ours, ref):
+    for got, want in zip(ours, ref, strict=True):
         assert want.dtype == np.float64
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

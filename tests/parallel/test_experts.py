@@ -11,10 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe.config import MoEConfig
+from maxmoe.config import DEFAULT_RULES, MoEConfig
 from maxmoe.parallel.experts import capacity_slots, routed_experts
 from maxmoe.sharding import make_mesh, named, use_mesh
-from maxmoe.config import DEFAULT_RULES
 
 E, K, D, F = 8, 2, 16, 8
 B, S = 8, 16  # 128 tokens
@@ -49,7 +48,7 @@ def _run(cfg, mesh_sizes=None):
         args = (jax.device_put(a, named(("batch", "seq", None))) for a in (x, idx, weights))
         wargs = [jax.device_put(w, named(axes)) for w, axes in
                  zip((wg, wu, wd), [("experts", "embed", "expert_mlp")] * 2
-                     + [("experts", "expert_mlp", "embed")])]
+                     + [("experts", "expert_mlp", "embed")], strict=True)]
         return jax.jit(lambda *a: routed_experts(*a, cfg))(*args, *wargs)
 
 

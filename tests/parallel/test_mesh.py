@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from maxmoe.config import ConfigError
-from maxmoe.validation import dcn_sizes, validate
 from maxmoe.sharding import make_mesh
+from maxmoe.validation import dcn_sizes, validate
 from tests.helpers import loss_and_grads, random_batch, small_config
 
 
@@ -39,7 +39,7 @@ def test_hybrid_mesh_matches_single_device():
     loss, _, grads = loss_and_grads(*small_config(), batch, num_devices=1)
     hybrid_loss, _, hybrid_grads = loss_and_grads(cfg, origins, batch, num_devices=8)
     np.testing.assert_allclose(hybrid_loss, loss, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(hybrid_grads), jax.tree.leaves(grads)):
+    for a, b in zip(jax.tree.leaves(hybrid_grads), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from maxmoe.config import load_config
-from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.step import make_trainer
+from maxmoe.validation import validate
 
 TINY = ["model.vocab_size=512", "model.hidden_size=64", "model.num_layers=2",
         "model.num_dense_layers=1", "model.dense_mlp_size=128", "attention.num_heads=4",

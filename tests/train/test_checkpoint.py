@@ -36,7 +36,7 @@ def make_iterator():
 
 def assert_same(restored, expected):
     assert jax.tree.structure(restored) == jax.tree.structure(expected)
-    for r, e in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+    for r, e in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
         assert r.dtype == e.dtype and r.shape == e.shape
         np.testing.assert_array_equal(np.asarray(r), np.asarray(e))
 
@@ -64,7 +64,7 @@ def test_async_save_restores_state_and_iterator(tmp_path):
     ckpt.close()
     assert step == 10
     assert_same(restored, values)
-    for r, a in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract)):
+    for r, a in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract), strict=True):
         assert r.sharding == a.sharding
     for e in expected:
         np.testing.assert_array_equal(next(fresh), e)
@@ -105,7 +105,7 @@ def test_restore_reshards_onto_another_mesh(tmp_path):
         shapes = jax.eval_shape(lambda: state)
         restored, _ = ckpt.restore(abstract_like(shapes, target))
         assert_same(restored, state)
-        for r, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+        for r, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target), strict=True):
             assert r.sharding == t
         one = SingleDeviceSharding(jax.devices()[3])
         restored, _ = ckpt.restore(abstract_like(state, one))

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from maxmoe.config import CheckpointConfig, GuardConfig
-from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
 from maxmoe.train import loop, setup
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.guards import Action, Guard, StepGuard, TrainingStopped
+from maxmoe.validation import validate
 from tests.helpers import small_config
 from tests.train.test_precision import learnable_batch
 

@@ -7,9 +7,8 @@ import optax
 import pytest
 
 from maxmoe.config import ConfigError, OptimizerConfig, load_config
+from maxmoe.train.optimizer import clip_by_scheduled_global_norm, clip_norm_schedule, make_optimizer
 from maxmoe.validation import validate
-from maxmoe.train.optimizer import (clip_by_scheduled_global_norm, clip_norm_schedule,
-                                    make_optimizer)
 
 
 def test_constant_schedule_matches_optax_clip_by_global_norm():
@@ -17,7 +16,7 @@ def test_constant_schedule_matches_optax_clip_by_global_norm():
     ours = clip_by_scheduled_global_norm(optax.constant_schedule(2.0))
     got, _ = ours.update(grads, ours.init(grads))
     want, _ = optax.clip_by_global_norm(2.0).update(grads, optax.EmptyState())
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
@@ -110,7 +109,7 @@ def test_step_update_ratio_and_param_norm_equal_float64_numpy():
         old, new = (jax.tree.leaves(t["layer_groups"][group]) for t in (before, after))
         per_layer = lambda xs: sum(np.sum(np.square(x).reshape(x.shape[0], -1), axis=1)  # noqa
                                    for x in xs)
-        want.append(np.sqrt(per_layer(n - o for n, o in zip(new, old)) / per_layer(old)))
+        want.append(np.sqrt(per_layer(n - o for n, o in zip(new, old, strict=True)) / per_layer(old)))
     want = np.concatenate(want)
     assert want.shape == (cfg.model.num_layers,) and np.all(want > 0)
     np.testing.assert_allclose(np.asarray(metrics["update_ratio"]), want, rtol=1e-5)

@@ -14,11 +14,11 @@ import pytest
 from maxmoe.config import CheckpointConfig, PrecisionConfig, load_config
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
-from maxmoe.validation import dcn_sizes, validate
 from maxmoe.sharding import global_batch, make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.precision import LossScaler, make_loss_scaler
 from maxmoe.train.step import make_trainer
+from maxmoe.validation import dcn_sizes, validate
 from tests.helpers import small_config
 
 
@@ -44,7 +44,7 @@ def host(tree):
 
 def assert_identical(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
 
 
@@ -130,7 +130,7 @@ def test_real_float16_overflow_backs_off_until_finite(fp16):
     assert skipped[0] == 1 and skipped[-1] == 0  # 2^40 overflows float16; some lower scale fits
     first = scales[skipped.index(1)]
     assert first == 2.0 ** 40  # hysteresis 2: the first overflow keeps the scale
-    assert all(b == a / 2 for a, b in zip(scales[:-2], scales[1:-1]))  # then halves each time
+    assert all(b == a / 2 for a, b in zip(scales[:-2], scales[1:-1], strict=True))  # then halves each time
     assert np.isfinite(float(metrics["loss"]))
 
 

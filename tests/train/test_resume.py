@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.validation import validate
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.loop import train
 from maxmoe.train.step import make_trainer
+from maxmoe.validation import validate
 from tests.helpers import small_config
 
 COMMON = ["model.vocab_size=512", "mesh.fsdp=2", "mesh.expert=2", "optimizer.warmup_steps=2",
@@ -46,7 +46,7 @@ def test_restart_is_bit_identical(tmp_path, monkeypatch):
     a, step_a = _final_state(cfg, sizes, tmp_path, "straight")
     b, step_b = _final_state(cfg, sizes, tmp_path, "resumed")
     assert step_a == step_b == 6
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(x, y)
     # resuming continued the run instead of restarting it: steps 1..6 logged once each
     logged = [json.loads(line)["step"] for line in
