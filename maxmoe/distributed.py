@@ -164,7 +164,7 @@ def initialize(cfg: DistributedConfig | None = None) -> Membership | None:
     member = detect(cfg)
     if member is None:
         return None
-    import jax
+    import jax  # late: commands/setup.py imports this module, and `maxmoe --help` loads no JAX
 
     jax.distributed.initialize(
         coordinator_address=member.coordinator_address,
@@ -190,7 +190,7 @@ def wait_for_processes(name: str, timeout_s: float) -> None:
     """Returns once every process of the job has called it with the same `name` (a barrier of
     jax.distributed's coordination service, through Orbax's public wrapper: no device
     collective, so no Gloo/NCCL rendezvous deadline); at once in a one-process run."""
-    import jax
+    import jax  # late, as in initialize
     import orbax.checkpoint as ocp
 
     if jax.process_count() > 1:

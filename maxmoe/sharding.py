@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import MESH_AXES
@@ -107,8 +108,6 @@ def param_axes(variable) -> tuple[str | None, ...]:
 
 def state_shardings(state, mesh: Mesh, rules: dict[str, list[str]]):
     """NamedSharding for every nnx.Variable in an nnx.State (params by their axes metadata)."""
-    from flax import nnx
-
     def one(v):
         if isinstance(v, nnx.Variable):
             return v.replace(NamedSharding(mesh, spec(param_axes(v), rules, v.get_value().shape)))

@@ -151,3 +151,42 @@ def test_package_import_graph_has_no_cycle():
     assert "maxmoe.cli" in graph and graph["maxmoe.cli"], "the graph reads no imports"
     found = cycles(graph)
     assert not found, "import cycles in maxmoe:\n" + "\n".join(describe(c, graph) for c in found)
+
+
+def unexplained_late_imports(source: str) -> list[int]:
+    """Lines of imports inside functions that no comment explains. A run of consecutive import
+    statements is one block: its first line, or the line above it, carries the comment."""
+    lines = source.splitlines()
+    found = []
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        blocks = [getattr(n, field) for n in ast.walk(func) for field in ("body", "orelse")
+                  if isinstance(getattr(n, field, None), list)]
+        for block in blocks:  # the function's own body and every nested if/with/for body
+            previous_was_import = False
+            for node in block:
+                is_import = isinstance(node, (ast.Import, ast.ImportFrom))
+                if is_import and not previous_was_import:
+                    here, above = lines[node.lineno - 1], lines[node.lineno - 2].strip()
+                    if "#" not in here and not above.startswith("#"):
+                        found.append(node.lineno)
+                previous_was_import = is_import
+    return sorted(set(found))
+
+
+def test_late_imports_say_why():
+    """Imports go at the top of a file; one inside a function defers a heavy import on purpose
+    and says so (issue 29)."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for line in unexplained_late_imports(path.read_text())]
+    assert not found, "imports inside functions with no comment saying why:\n" + "\n".join(found)
+
+
+def test_late_import_check_can_fail():
+    source = ("def f():\n    import json\n    return json\n\n"
+              "def g():\n    # late: heavy\n    import jax\n    import numpy\n\n"
+              "def h():\n    x = 1\n    import os  # late: why\n    import re\n    return x\n\n"
+              "def k(a):\n    if a:\n        import sys\n")
+    assert unexplained_late_imports(source) == [2, 18]

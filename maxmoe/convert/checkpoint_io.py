@@ -17,25 +17,26 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
 
 from maxmoe.config import Config, load_config, save_config
+from maxmoe.convert.names import get_path
 from maxmoe.convert.safetensors_io import ConversionError
+from maxmoe.model.transformer import build_model
+from maxmoe.sharding import make_mesh
+from maxmoe.train.checkpoint import Checkpointer
+from maxmoe.train.step import make_trainer
 
 
 def abstract_params(cfg: Config) -> dict:
     """ShapeDtypeStructs of the pure dict of every model variable (params and router bias)."""
-    from flax import nnx
-
-    from maxmoe.model.transformer import build_model
-
     model = nnx.eval_shape(lambda: build_model(cfg, 0))
     return nnx.to_pure_dict(nnx.state(model))
 
 
 def save_converted(out_dir: Path, cfg: Config, params: dict, hf_config: dict | None = None,
                    hf_dtypes: dict | None = None) -> None:
-    import orbax.checkpoint as ocp
-
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.yaml")
@@ -80,15 +81,11 @@ def read_converted(ckpt_dir: Path, overrides: list[str] = ()) -> tuple[Config, d
 def restore_params(ckpt_dir: Path, cfg: Config, paths: list[tuple] | None = None) -> dict:
     """The params as numpy arrays; with `paths` (keys into the param dict) only those, read
     alone from a converted checkpoint (a training run directory restores everything)."""
-    import orbax.checkpoint as ocp
-
     ckpt_dir = Path(ckpt_dir).resolve()
     if not (ckpt_dir / "params").is_dir():
         return jax.tree.map(np.asarray, _params_from_run(ckpt_dir, cfg))
     abstract = abstract_params(cfg)
     if paths is not None:
-        from maxmoe.convert.names import get_path
-
         subtree: dict = {}
         for path in paths:
             node = subtree
@@ -110,15 +107,9 @@ def load_converted(ckpt_dir: Path, overrides: list[str] = ()) -> tuple[Config, d
 
 def _params_from_run(run_dir: Path, cfg: Config) -> dict:
     """The model variables of the newest step of a training run (params + router bias)."""
-    from flax import nnx
-
-    from maxmoe.train.checkpoint import Checkpointer
-    from maxmoe.train.step import make_trainer
-
     if not (run_dir / "checkpoints").is_dir():
         raise ConversionError(f"{run_dir}: neither params/ nor checkpoints/ found; pass a "
                               "converted checkpoint or a training run directory")
-    from maxmoe.sharding import make_mesh
 
     mesh = make_mesh({"data": 1, "fsdp": 1, "pipeline": 1, "expert": 1, "tensor": 1},
                      jax.devices("cpu")[:1])

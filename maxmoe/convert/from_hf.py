@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from maxmoe.config import Config
-from maxmoe.convert.checkpoint_io import abstract_params
+from maxmoe.convert.checkpoint_io import abstract_params, save_converted
 from maxmoe.convert.hf_config import config_from_hf, family_of
 from maxmoe.convert.names import hub_shape, hub_tensors, hub_to_params, mtp_shared_copies
 from maxmoe.convert.safetensors_io import (
@@ -88,8 +88,6 @@ def read_hf(hf_dir: Path, base: Config | None = None) -> tuple[Config, dict, dic
 
 
 def convert_from_hf(hf_dir: Path, out_dir: Path) -> Config:
-    from maxmoe.convert.checkpoint_io import save_converted
-
     cfg, params, hf_config, dtypes = read_hf(hf_dir)
     save_converted(out_dir, cfg, params, hf_config, dtypes)
     return cfg

@@ -94,7 +94,7 @@ class NearDuplicateIndex:
     """Kept signatures in an LSH index; `is_duplicate` checks one document and remembers it."""
 
     def __init__(self, options: DedupOptions):
-        from datasketch import LeanMinHash, MinHashLSH
+        from datasketch import LeanMinHash, MinHashLSH  # on demand: as MinHash above
 
         self._options = options
         self._lean = LeanMinHash

@@ -99,7 +99,10 @@ def _language_identifier():
     # --min-language-confidence a number users can reason about.
     global _IDENTIFIER
     if _IDENTIFIER is None:
-        from py3langid.langid import MODEL_FILE, LanguageIdentifier
+        from py3langid.langid import (  # on demand: 0.3 s to import, language filter only
+            MODEL_FILE,
+            LanguageIdentifier,
+        )
 
         _IDENTIFIER = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
     return _IDENTIFIER

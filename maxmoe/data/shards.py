@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+from array_record.python.array_record_module import ArrayRecordWriter
 
 from maxmoe.config import ConfigError
 
@@ -58,8 +59,6 @@ def file_hash(path: str | os.PathLike) -> str:
 
 def write_records(path: Path, records: list[bytes]) -> None:
     """Writes `records` to the ArrayRecord file `path` atomically."""
-    from array_record.python.array_record_module import ArrayRecordWriter
-
     temporary = path.with_name(path.name + ".tmp")
     writer = ArrayRecordWriter(str(temporary), _WRITER_OPTIONS)
     for record in records:

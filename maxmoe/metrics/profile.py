@@ -16,6 +16,8 @@ import collections
 import re
 from pathlib import Path
 
+import jax
+
 COLLECTIVES = "collectives (incl. waiting for peers)"
 _COLLECTIVE_OPS = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                    "collective-permute", "ragged-all-to-all", "collective-broadcast"}
@@ -106,8 +108,6 @@ def instruction_times(trace_dir: Path, names: dict[str, str], module: str = "") 
     full.
     Events name their op in the `hlo_op` stat (GPU kernels have other names); GPU traces are
     read from the device planes only, so host-side launches are not counted twice."""
-    import jax
-
     files = sorted(Path(trace_dir).rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
     if not files:
         raise FileNotFoundError(f"{trace_dir}: the profiler wrote no *.xplane.pb")

@@ -38,6 +38,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from maxmoe.config import CheckpointConfig, ConfigError
@@ -98,8 +99,6 @@ def _eval_loss(metrics: dict) -> float:
 
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)
 
 
@@ -107,8 +106,6 @@ def _all_processes_ok(ok: bool) -> bool:
     """True only if `ok` on every process (a collective: every process must call it)."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 

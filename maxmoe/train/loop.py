@@ -34,6 +34,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from maxmoe.config import Config, fail, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
@@ -88,8 +89,6 @@ def data_layout(cfg: Config) -> dict:
 
 def make_evaluator(cfg: Config, trainer, tokenizer):
     """() -> mean validation loss over cfg.train.eval_batches batches (the same ones each time)."""
-    from flax import nnx
-
     dataset = make_dataset(cfg.data, tokenizer, split="validation", num_epochs=1,
                            process_index=jax.process_index(), process_count=jax.process_count())
 
