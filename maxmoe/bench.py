@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from maxmoe import malloc
-from maxmoe.metrics.flops import FLOP_CONVENTION, peak_meter
+from maxmoe.metrics.flops import FLOP_CONVENTION, peak_flops, peak_meter
 from maxmoe.metrics.profile import breakdown
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.setup import prepare_run
@@ -88,7 +88,7 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
     results = []
     for run in runs:
         dtype = run["setup"].cfg.precision.compute_dtype  # bfloat16 against a bfloat16 matmul
-        peaks[dtype] = peaks.get(dtype) or run["setup"].peak(meters[dtype])
+        peaks[dtype] = peaks.get(dtype) or peak_flops(run["setup"].cfg, meters[dtype])
         results.append(result(run, base, steps, peaks[dtype]))
         if breakdown is not None and run is runs[0]:
             results[-1]["profile"] = breakdown
@@ -110,7 +110,7 @@ def compile_variants(variants) -> list[dict]:
         t = time.perf_counter()
         with use_mesh(trainer.mesh, trainer.rules):
             compiled = trainer.jitted_step.lower(shared[key]["state"], batch).compile()
-        runs.append(dict(setup=setup, trainer=trainer, compiled=compiled, batch=batch,
+        runs.append(dict(setup=setup, compiled=compiled, batch=batch,
                          holder=shared[key], compile_s=time.perf_counter() - t,
                          memory=memory_analysis(compiled), times=[], reuse=reuse,
                          faults=0, system_s=0.0))
@@ -119,7 +119,8 @@ def compile_variants(variants) -> list[dict]:
 
 def run_step(run: dict) -> None:
     """One step of a run on its holder's state; waits for it."""
-    with use_mesh(run["trainer"].mesh, run["trainer"].rules):
+    trainer = run["setup"].trainer
+    with use_mesh(trainer.mesh, trainer.rules):
         holder = run["holder"]
         holder["state"], run["metrics"] = run["compiled"](holder["state"], run["batch"])
         jax.block_until_ready(run["metrics"])
@@ -159,7 +160,8 @@ def profile_unlogged(run: dict, done: int, profile_dir: str) -> dict[str, list[d
     the per-step breakdown."""
     for _ in range(unlogged_offset(done, run["setup"].cfg)):
         run_step(run)
-    with use_mesh(run["trainer"].mesh, run["trainer"].rules):
+    trainer = run["setup"].trainer
+    with use_mesh(trainer.mesh, trainer.rules):
         return profile_steps(run["compiled"], run["holder"]["state"], run["batch"], profile_dir)
 
 
@@ -168,15 +170,15 @@ def result(run: dict, base: np.ndarray, steps: int, peak: tuple[float, str]) -> 
     paired_ratio; `peak`: (FLOP/s, source) for its compute dtype."""
     setup, times, metrics = run["setup"], np.asarray(run["times"]), run["metrics"]
     step_time = float(np.median(times))
-    peak_flops, peak_source = peak
+    peak_rate, peak_source = peak
     return {
         "tokens_per_second": setup.tokens_per_step / step_time, "step_time_s": step_time,
         "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),
         "paired_ratio": float(np.median(times / base)), "step_times_s": times.tolist(),
         "shared_state": run["reuse"],
         "model_flops_per_step": setup.model_flops, "flop_convention": FLOP_CONVENTION,
-        "mfu": setup.model_flops / step_time / peak_flops,
-        "peak_flops": peak_flops, "peak_source": peak_source, "compile_time_s": run["compile_s"],
+        "mfu": setup.model_flops / step_time / peak_rate,
+        "peak_flops": peak_rate, "peak_source": peak_source, "compile_time_s": run["compile_s"],
         "devices": jax.device_count(), "allocator": malloc.in_use(),
         # the kernel's share: page faults and system CPU time a timed step (malloc.py)
         "minor_faults_per_step": run["faults"] / steps,

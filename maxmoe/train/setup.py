@@ -1,5 +1,5 @@
-"""The set-up `maxmoe train` and `maxmoe bench` share: mesh, trainer, model FLOPs per step, peak
-FLOP/s and the start-up lines, built one way so the two report the same figures.
+"""The set-up `maxmoe train` and `maxmoe bench` share: mesh, trainer, model FLOPs per step and
+the start-up lines, built one way so the two report the same figures.
 
 Imports no data pipeline (grain): `maxmoe bench` runs where it is not installed.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from maxmoe.config import Config
-from maxmoe.metrics.flops import MatmulPeak, flops_per_token, peak_flops
+from maxmoe.metrics.flops import flops_per_token
 from maxmoe.model.spec import describe_pipeline
 from maxmoe.sharding import make_mesh
 from maxmoe.train.step import Trainer, make_trainer
@@ -34,10 +34,6 @@ class RunSetup:
     def pipeline_line(self) -> str | None:
         """The pipeline's start-up line (layers pipelined, bubble), None without stages."""
         return describe_pipeline(self.cfg.model, self.mesh_sizes["pipeline"])
-
-    def peak(self, meter: MatmulPeak | None = None) -> tuple[float, str]:
-        """(peak FLOP/s of all devices, its source): see metrics.flops.peak_flops."""
-        return peak_flops(self.cfg, meter)
 
 
 def prepare_run(cfg: Config, mesh_sizes: dict[str, int]) -> RunSetup:
