@@ -1,0 +1,130 @@
+"""`maxmoe plan`'s flow: load the config and the cluster, choose the layouts (the config's own,
+or --search's best), compile each in its own process, and print the figures."""
+
+from __future__ import annotations
+
+import math
+from typing import TextIO
+
+from maxmoe.config import ConfigError, load_config
+from maxmoe.plan import search
+from maxmoe.plan.cluster import Cluster, load_cluster
+from maxmoe.plan.collectives import CommBytes, summarize
+from maxmoe.plan.probe import GPU_STAND_INS, ProbeFailed, run_probe
+from maxmoe.plan.report import GIB, mesh_text, plan_figures, table, write_config
+from maxmoe.plan.roofline import parse_tokens
+from maxmoe.validation import validate
+
+
+def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layouts: bool = False,
+         top: int = 4, write: str = "", timeout_s: float = 900, out: TextIO) -> dict:
+    """Plans `items` (config files and KEY=VALUE overrides) on the cluster; returns {"rows":
+    figures of every compiled layout, best first, "best": rows[0]}. Raises ConfigError on bad
+    input, before any compile."""
+    files = [a for a in items if "=" not in a]
+    overrides = [a for a in items if "=" in a]
+    cfg, origins = load_config(files, overrides)
+    cluster = load_cluster(cluster_spec)
+    token_count = parse_tokens(tokens) if tokens else None
+    print(f"plan: {', '.join(files)} on {cluster.name} ({cluster.devices} x {cluster.kind}, "
+          f"{cluster.hosts} hosts of {cluster.devices_per_host}; {cluster.memory_gib:.1f} GiB, "
+          f"{cluster.usable_bytes / GIB:.1f} GiB usable per device)", file=out)
+    if search_layouts:
+        layouts = search.ranked(cfg, origins, cluster)
+        print(f"search: {len(layouts.all)} layouts pass validation; {len(layouts.fitting)} fit "
+              f"by the analytic estimate; compiling the best {min(top, len(layouts.fitting))}",
+              file=out)
+        candidates = [(overrides + e.layout.overrides(), e) for e in layouts.fitting[:top]]
+    else:
+        validate(cfg, cluster.devices, origins, cluster.hosts)  # one line, before compiling
+        candidates = [(overrides, None)]
+    rows = []
+    for extra, estimate in candidates:
+        measured = compile_layout(files + extra, cluster, timeout_s, out)
+        if measured is None:
+            continue
+        figures = plan_figures(measured, cluster, tokens=token_count, steps=cfg.train.steps)
+        figures.update(layout=extra[len(overrides):], remat=measured["remat"],
+                       microbatches=measured["microbatches"])
+        if estimate is not None:
+            figures["estimated_peak_bytes"] = estimate.peak
+        rows.append(figures)
+    if not rows:
+        raise ConfigError(f"no layout of {', '.join(files)} compiled on {cluster.name}; see the "
+                          "lines above")
+    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"]))
+    print(table(rows), file=out)
+    describe(rows[0], cluster, out)
+    if write:
+        best_cfg, _ = load_config(files, overrides + rows[0]["layout"])
+        write_config(write, best_cfg, rows[0], cluster)
+        print(f"wrote {write}: pass it after the model config", file=out)
+    return {"rows": rows, "best": rows[0]}
+
+
+def compile_layout(items: list[str], cluster: Cluster, timeout_s: float, out: TextIO) -> dict | None:
+    """probe.run_probe on the cluster's device count; a failed compile prints one line and
+    returns None (an invalid layout raises ConfigError)."""
+    try:
+        return run_probe(items, cluster.devices, cluster.hosts, cluster.devices_per_host,
+                         timeout_s)
+    except ProbeFailed as e:
+        print(f"plan: skipped a layout: {e}", file=out)
+        return None
+
+
+def describe(best: dict, cluster: Cluster, out: TextIO) -> None:
+    """The best layout's figures in words: memory by part, buffers, replication, traffic, time,
+    cost."""
+    m = best["memory_by_part"]
+    say = lambda text: print(text, file=out)  # noqa: E731
+    say(f"\nbest: {mesh_text(best['mesh'])}, remat {best['remat']}, "
+        f"{best['microbatches']} microbatch(es); compiled in {best['compile_s']} s "
+        f"({best['wall_s']} s with its process)")
+    say("  compiled with the GPU's kernels where XLA:CPU has them, else: " + "; ".join(
+        f"{k}={v} ({why})" for k, (v, why) in GPU_STAND_INS.items()))
+    verdict = "fits" if best["fits"] else "does NOT fit"
+    say(f"  memory per device: parameters {m['parameters'] / GIB:.2f} GiB, optimizer state "
+        f"{m['optimizer_state'] / GIB:.2f} GiB, batch {m['batch'] / GIB:.3f} GiB; temporaries "
+        f"{m['temporaries'] / GIB:.2f} GiB (gradients {m['gradients'] / GIB:.2f} GiB, "
+        f"activations and the rest {m['activations_and_other_temporaries'] / GIB:.2f} GiB); "
+        f"peak {best['peak_bytes_per_device'] / GIB:.2f} GiB of "
+        f"{best['usable_bytes_per_device'] / GIB:.1f} GiB usable: {verdict}")
+    say("  largest buffers: " + "; ".join(
+        f"{b['bytes'] / GIB:.2f} GiB {b['dtype']}{b['shape']} ({b['part']})"
+        for b in best["largest_buffers"][:5]))
+    rep = best["replicated_leaves"]
+    say(f"  replicated state: {best['replicated_state_bytes_per_device'] / GIB:.2f} GiB per "
+        f"device in {len(rep)} leaves no mesh axis shards" + (": " + ", ".join(
+            f"{p} {b / GIB:.2f} GiB" for p, b in rep[:4]) if rep else ""))
+    say("  communication per step (bytes one device sends):\n    " + summarize(
+        CommBytes(best["collective_bytes_per_step"], [])).replace("\n", "\n    "))
+    t = best["step_time_parts_s"]
+    say(f"  step (roofline): compute {t['compute']:.2f} s + exposed communication "
+        f"{t['exposed_communication']:.2f} s (inside hosts {t['ici']:.2f} s, across "
+        f"{t['dcn']:.2f} s) + pipeline bubble {t['pipeline_bubble']:.2f} s = "
+        f"{best['step_time_s']:.2f} s; {best['tokens_per_second']:,.0f} tokens/s, MFU "
+        f"{100 * best['mfu']:.1f}%, {best['tokens_per_day'] / 1e9:.1f}B tokens/day")
+    if best["device_hours"] is not None:
+        say(f"  cost: {best['tokens'] / 1e12:.3g}T tokens in {best['steps']:,} steps = "
+            f"{best['device_hours']:,.0f} device-hours, {best['days']:.1f} days, "
+            f"${best['cost_usd']:,.0f} at {best['price']}")
+    say(f"  per trillion tokens: {best['device_hours_per_trillion_tokens']:,.0f} device-hours")
+    say(f"  checkpoint: {best['checkpoint_bytes'] / 1e12:.2f} TB, saved in "
+        f"{best['checkpoint_save_s'] / 60:.1f} min by {cluster.hosts} hosts at "
+        f"{cluster.storage_write_bandwidth / 1e9:.1f} GB/s each")
+    if not best["fits"]:
+        say(f"  does not fit: {fix_hint(best, cluster)}")
+
+
+def fix_hint(best: dict, cluster: Cluster) -> str:
+    """What would make the layout fit: unshard replicated state, or a bigger cluster."""
+    over = best["peak_bytes_per_device"] - best["usable_bytes_per_device"]
+    if best["replicated_state_bytes_per_device"] > over:
+        return (f"{best['replicated_state_bytes_per_device'] / GIB:.1f} GiB of state is "
+                "replicated (above); map those logical axes to a mesh axis in mesh.rules")
+    need = math.ceil(best["devices"] * best["peak_bytes_per_device"]
+                     / best["usable_bytes_per_device"])
+    hosts = math.ceil(need / cluster.devices_per_host)
+    return (f"{over / GIB:.1f} GiB over; try --search, or about {hosts * cluster.devices_per_host}"
+            f"x{cluster.kind} if memory fell in proportion")

@@ -1,0 +1,233 @@
+"""Compiles the real train step of one layout on fake CPU devices and measures what it needs.
+
+`run_probe(items, devices, hosts)` starts `python -m maxmoe.plan.probe` in a subprocess (JAX
+fixes the fake CPU device count once per process), which loads the config, validates it for
+`devices` devices on `hosts` hosts, lowers the jitted train step with abstract arrays (no
+memory is allocated), compiles it and prints one JSON object: XLA's memory analysis per
+device, the state's bytes per device by part (read from the abstract shardings), the state
+leaves no mesh axis shards, the largest buffers of the compiled program, and the collective
+bytes per step (collectives.py).
+
+Where a CPU compile differs from the GPU's, the probe compiles the GPU's choice where XLA:CPU
+can, and otherwise the closest form XLA:CPU compiles (GPU_STAND_INS says which and why).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from maxmoe.bench import memory_analysis
+from maxmoe.config import ConfigError, load_config
+from maxmoe.model.spec import pipeline_schedule
+from maxmoe.plan.collectives import collective_bytes
+from maxmoe.sharding import use_mesh
+from maxmoe.train.setup import prepare_run
+from maxmoe.validation import validate
+
+# key -> (value compiled on CPU, why). The GPU runs ragged_dot (a grouped GEMM) and cuDNN flash
+# attention; XLA:CPU lowers ragged_dot densely (a [rows, experts, F] product that no GPU builds)
+# and `fused` attention to a full [B, H, S, S] score matrix, so the probe compiles the blocked
+# grouped matmul (rows x F live, as the grouped GEMM) and causal query-block attention instead.
+GPU_STAND_INS = {
+    "moe.grouped_matmul": ("blocked", "XLA:CPU lowers ragged_dot densely; blocked keeps the "
+                                      "grouped GEMM's rows x F buffers"),
+    "attention.implementation": ("einsum", "XLA:CPU has no flash attention; causal query "
+                                           "blocks keep [B, H, block, S] scores, not S x S"),
+}
+TOP_BUFFERS = 8
+_SHAPE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+          "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+@dataclass(frozen=True)
+class ProbeFailed(Exception):
+    """The subprocess died (out of host memory, a compiler crash): its last lines say why."""
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def leaf_bytes(abstract) -> int:
+    """Bytes one device holds of a ShapeDtypeStruct with a sharding."""
+    shape = abstract.sharding.shard_shape(abstract.shape)
+    return math.prod(shape) * abstract.dtype.itemsize
+
+
+def state_parts(abstract_state) -> dict[str, int]:
+    """Bytes per device of each top-level part of the train state (params, opt_state, ...)."""
+    return {part: sum(leaf_bytes(a) for a in jax.tree.leaves(tree))
+            for part, tree in abstract_state.items()}
+
+
+def replicated_leaves(abstract_state, devices: int) -> list[tuple[str, int]]:
+    """(path, bytes per device) of state leaves that no mesh axis shards, largest first
+    (scalars and leaves under 1 KiB left out); empty on one device."""
+    if devices == 1:
+        return []
+    out = []
+    for path, a in jax.tree_util.tree_leaves_with_path(abstract_state):
+        full = math.prod(a.shape) * a.dtype.itemsize
+        if full >= 1024 and a.sharding.shard_shape(a.shape) == tuple(a.shape):
+            out.append((jax.tree_util.keystr(path, simple=True, separator="/"), full))
+    return sorted(out, key=lambda x: -x[1])
+
+
+def model_part(op_name: str) -> str:
+    """"phase: path" of the model part an HLO instruction came from, from its JAX op_name
+    (e.g. "backward: moe/shard_map" from jit(train_step)/transpose(jvp())/while/body/...)."""
+    phase = ("backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name
+             else "update" if "optimizer" in op_name else "step")
+    skip = re.compile(r"^(train_step|while|body|cond|branch_\w*|closed_call|checkpoint|remat\w*|"
+                      r"pjit|_\w+|dynamic_\w+)?$")
+    names = [re.sub(r"^(?:(?:jit|jvp|transpose)\()+|\)+$", "", p) for p in op_name.split("/")]
+    path = [n for n in names if not skip.match(n)]
+    return f"{phase}: {'/'.join(path[-4:])}"
+
+
+_NOT_BUFFERS = (" parameter(", " get-tuple-element(", " bitcast(", " tuple(", " constant(")
+
+
+def largest_buffers(hlo_text: str, top: int = TOP_BUFFERS) -> list[dict]:
+    """The `top` largest arrays the compiled HLO materialises per device (instruction results
+    outside fusion bodies, which XLA keeps in registers and caches), each with shape, dtype and
+    the model part its op_name names; one entry per distinct (shape, dtype, part)."""
+    fused = set(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", hlo_text))
+    seen, rows, skipping = set(), [], False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():  # a computation header (or its closing brace)
+            name = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
+            skipping = name in fused
+            continue
+        m = _SHAPE.match(line)
+        if skipping or not m or m.group(2) not in _BYTES or any(k in line for k in _NOT_BUFFERS):
+            continue
+        dims = [int(d) for d in m.group(3).split(",") if d]
+        op = _OP_NAME.search(line)
+        part = model_part(op.group(1)) if op else m.group(1)
+        key = (tuple(dims), m.group(2), part)
+        if key not in seen:
+            seen.add(key)
+            rows.append({"bytes": math.prod(dims) * _BYTES[m.group(2)], "shape": dims,
+                         "dtype": m.group(2), "part": part})
+    return sorted(rows, key=lambda r: -r["bytes"])[:top]
+
+
+def abstract_batch(cfg, sharding) -> dict:
+    """ShapeDtypeStructs of one global batch, as the loop feeds the step."""
+    shape = (cfg.data.global_batch_size, cfg.data.seq_len)
+    dtypes = {"tokens": np.int32, "targets": np.int32, "segment_ids": np.int32,
+              "positions": np.int32, "loss_mask": np.float32}
+    return {k: jax.ShapeDtypeStruct(shape, d, sharding=sharding) for k, d in dtypes.items()}
+
+
+def stand_in_overrides() -> list[str]:
+    """The KEY=VALUE overrides GPU_STAND_INS applies after the user's own."""
+    return [f"{key}={value}" for key, (value, _) in GPU_STAND_INS.items()]
+
+
+def measure(items: list[str], devices: int, hosts: int, devices_per_host: int) -> dict:
+    """Figures of one layout (module docstring); runs in the probe's own process, whose fake
+    CPU device count it sets. Raises ConfigError before compiling when the layout is invalid."""
+    files = [a for a in items if "=" not in a]
+    overrides = [a for a in items if "=" in a]
+    cfg, origins = load_config(files, [*overrides, *stand_in_overrides()])
+    jax.config.update("jax_num_cpu_devices", devices)
+    sizes = validate(cfg, devices, origins, hosts)
+    setup = prepare_run(cfg, sizes)
+    trainer = setup.trainer
+    batch = abstract_batch(cfg, trainer.batch_sharding)
+    t = time.perf_counter()
+    with use_mesh(trainer.mesh, trainer.rules):
+        lowered = trainer.jitted_step.lower(trainer.abstract_state, batch)
+        lower_s = time.perf_counter() - t
+        compiled = lowered.compile()
+    compile_s = time.perf_counter() - t - lower_s
+    hlo = compiled.as_text()
+    parts = state_parts(trainer.abstract_state)
+    replicated = replicated_leaves(trainer.abstract_state, devices)
+    comm = collective_bytes(hlo, trainer.mesh, devices_per_host)
+    mesh = dict(sizes, **{f"dcn_{a}": getattr(cfg.mesh, f"dcn_{a}") for a in sizes})
+    return {
+        "devices": devices, "hosts": hosts, "mesh": mesh,
+        "remat": cfg.model.remat_policy, "microbatches": cfg.train.grad_accum_steps,
+        "stand_ins": {k: v for k, (v, _) in GPU_STAND_INS.items()},
+        "lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1),
+        "memory": memory_analysis(compiled),
+        "state": parts,
+        "state_global_bytes": sum(math.prod(a.shape) * a.dtype.itemsize
+                                  for a in jax.tree.leaves(trainer.abstract_state)),
+        "batch_bytes": sum(leaf_bytes(b) for b in batch.values()),
+        "grads_bytes": parts["params"],  # float32 gradients of the float32 params, as sharded
+        "replicated_state_bytes": sum(b for _, b in replicated),
+        "replicated": replicated[:20],
+        "largest_buffers": largest_buffers(hlo),
+        "collectives": comm.by_axis, "collective_warnings": comm.warnings,
+        "model_flops_per_step": setup.model_flops,
+        "tokens_per_step": setup.tokens_per_step,
+        "bubble": pipeline_schedule(cfg.model, sizes["pipeline"]).bubble,
+    }
+
+
+def child_env() -> dict[str, str]:
+    """The parent's environment minus what would change the probe's devices: JAX on CPU only,
+    no forced device count, no scheduler variables that would make it join a job."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "MAXMOE_COORDINATOR", "MAXMOE_NUM",
+                                "MAXMOE_PROCESS", "JOBSET_", "JOB_COMPLETION"))}
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run_probe(items: list[str], devices: int, hosts: int, devices_per_host: int,
+              timeout_s: float = 900) -> dict:
+    """measure() in a subprocess. Raises ConfigError for an invalid layout (the child's one
+    line), ProbeFailed when the child dies or times out."""
+    request = json.dumps({"items": items, "devices": devices, "hosts": hosts,
+                          "devices_per_host": devices_per_host})
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "maxmoe.plan.probe", request],
+                              capture_output=True, text=True, env=child_env(), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ProbeFailed(f"compiling {devices} devices took over {timeout_s:.0f} s") from None
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 2 and proc.stderr.strip():
+        raise ConfigError(proc.stderr.strip().splitlines()[-1].removeprefix("maxmoe: error: "))
+    if proc.returncode != 0 or not lines:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise ProbeFailed(f"the compile of {devices} devices exited {proc.returncode}: {tail}")
+    result = json.loads(lines[-1])
+    result["wall_s"] = round(time.perf_counter() - t, 1)
+    return result
+
+
+def main() -> int:
+    request = json.loads(sys.argv[1])
+    try:
+        result = measure(request["items"], request["devices"], request["hosts"],
+                         request["devices_per_host"])
+    except ConfigError as e:
+        print(f"maxmoe: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""The layouts `maxmoe plan --search` considers, and the analytic estimate that ranks them so
+only the promising ones are compiled.
+
+A layout is mesh axis sizes, their host (DCN) split, the remat policy and the gradient
+accumulation microbatches. Every candidate passes `validate` for the cluster's devices and
+hosts. The estimate is state bytes from the abstract shardings (estimate.py, exact) plus an
+activation model calibrated against compiles, and a step time from the roofline with
+communication bytes counted per axis from the layout (compiled plans read them from HLO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+
+from maxmoe.config import MESH_AXES, Config, ConfigError
+from maxmoe.metrics.flops import flops_per_token
+from maxmoe.model.spec import layer_groups, pipeline_schedule
+from maxmoe.plan.cluster import Cluster
+from maxmoe.plan.estimate import state_bytes
+from maxmoe.plan.roofline import step_time
+from maxmoe.validation import shards, validate
+
+# host split orders: which axes fill a host first (tensor must stay inside one)
+HOST_ORDERS = (("tensor", "expert", "fsdp", "pipeline", "data"),
+               ("tensor", "fsdp", "expert", "pipeline", "data"))
+REMAT_POLICIES = ("full", "save_named")
+MICROBATCHES = (1, 2, 4, 8)
+MAX_PIPELINE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One candidate: mesh sizes, DCN factors, remat policy and accumulation microbatches."""
+    sizes: dict[str, int]
+    dcn: dict[str, int]
+    remat: str
+    microbatches: int
+
+    def overrides(self) -> list[str]:
+        """The KEY=VALUE overrides that select this layout."""
+        mesh = [f"mesh.{a}={self.sizes[a]}" for a in MESH_AXES]
+        dcn = [f"mesh.dcn_{a}={self.dcn[a]}" for a in MESH_AXES]
+        return [*mesh, *dcn, f"model.remat_policy={self.remat}",
+                f"train.grad_accum_steps={self.microbatches}"]
+
+    def apply(self, cfg: Config) -> Config:
+        mesh = dataclasses.replace(cfg.mesh, **self.sizes,
+                                   **{f"dcn_{a}": n for a, n in self.dcn.items()})
+        return dataclasses.replace(
+            cfg, mesh=mesh, model=dataclasses.replace(cfg.model, remat_policy=self.remat),
+            train=dataclasses.replace(cfg.train, grad_accum_steps=self.microbatches))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def host_split(sizes: dict[str, int], per_host: int, order: tuple[str, ...]) -> dict[str, int] | None:
+    """DCN factor per axis when a host's devices are filled in `order`; None when they cannot
+    be (the axes do not factor the host) or tensor would cross hosts."""
+    left, ici = per_host, {}
+    for axis in order:
+        ici[axis] = math.gcd(sizes[axis], left)
+        left //= ici[axis]
+    if left != 1 or ici["tensor"] != sizes["tensor"]:
+        return None
+    return {a: sizes[a] // ici[a] for a in MESH_AXES}
+
+
+def pipeline_sizes(cfg: Config, devices: int) -> list[int]:
+    """1 and every stage count up to MAX_PIPELINE that pipelines some run of layers."""
+    groups = [n for _, _, n in layer_groups(cfg.model)]
+    return [p for p in divisors(devices) if p == 1 or (
+        p <= MAX_PIPELINE and any(pipeline_schedule(cfg.model, p).pipelines(n) for n in groups))]
+
+
+def meshes(cfg: Config, devices: int, per_host: int) -> Iterator[dict[str, int]]:
+    """Mesh sizes whose model dimensions divide: tensor inside a host and dividing the heads,
+    expert dividing the experts; data takes what the others leave."""
+    a, e = cfg.attention, cfg.moe
+    for tensor in divisors(per_host):
+        if a.num_heads % tensor or a.num_kv_heads % tensor:
+            continue
+        for expert in divisors(math.gcd(e.num_experts, devices // tensor)):
+            for pipeline in pipeline_sizes(cfg, devices // (tensor * expert)):
+                rest = devices // (tensor * expert * pipeline)
+                for fsdp in divisors(rest):
+                    yield {"data": rest // fsdp, "fsdp": fsdp, "pipeline": pipeline,
+                           "expert": expert, "tensor": tensor}
+
+
+def group_limited_ok(cfg: Config, dcn: dict[str, int]) -> bool:
+    """Group-limited routing (DeepSeek's node-limited routing) sends a token to at most
+    groups_per_token groups: the expert axis may span at most num_groups hosts."""
+    e = cfg.moe
+    return e.groups_per_token >= e.num_groups or dcn["expert"] <= e.num_groups
+
+
+def layouts(cfg: Config, origins: dict[str, str], cluster: Cluster) -> list[Layout]:
+    """Every layout of cfg on the cluster that passes validation."""
+    out, seen = [], set()
+    for sizes in meshes(cfg, cluster.devices, cluster.devices_per_host):
+        for order in HOST_ORDERS:
+            dcn = host_split(sizes, cluster.devices_per_host, order)
+            if dcn is None or not group_limited_ok(cfg, dcn):
+                continue
+            for remat in REMAT_POLICIES:
+                for micro in MICROBATCHES:
+                    layout = Layout(sizes, dcn, remat, micro)
+                    key = str(layout)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    try:
+                        validate(layout.apply(cfg), cluster.devices, origins, cluster.hosts)
+                    except ConfigError:
+                        continue
+                    out.append(layout)
+    return out
+
+
+# Activation model of the pre-ranker: bytes per device of the step's temporaries beyond the
+# gradients, as multiples of one layer's residual stream [tokens per device, D] in the compute
+# dtype. The factors are fitted to compiles (tests/plan/test_search.py states the error).
+SAVED_PER_LAYER = {"full": 1.0, "save_named": 6.0, "dots": 10.0, "offload_named": 1.0,
+                   "none": 24.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A layout's analytic figures: state bytes (exact), temporaries (modelled), peak, the
+    roofline step time with modelled communication, and whether it fits."""
+    layout: Layout
+    state: int
+    temporaries: int
+    peak: int
+    step_s: float
+    fits: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranking:
+    all: list[Estimate]  # every valid layout, estimated
+    fitting: list[Estimate]  # those estimated to fit, fastest first
+
+
+def tokens_per_device(cfg: Config, sizes: dict[str, int], microbatches: int) -> float:
+    """Rows x sequence one device processes per microbatch (batch split over its shards)."""
+    return cfg.data.global_batch_size * cfg.data.seq_len / shards(cfg, sizes, "batch") / microbatches
+
+
+def activation_bytes(cfg: Config, layout: Layout) -> float:
+    """Modelled temporaries beyond the gradients: saved residuals of every layer, one MoE
+    layer's gathered tokens and rows (dropless dispatch gathers the expert axis's tokens), and
+    the logits."""
+    m, e, sizes = cfg.model, cfg.moe, layout.sizes
+    t = tokens_per_device(cfg, sizes, layout.microbatches)
+    width = 2 if cfg.precision.compute_dtype != "float32" else 4
+    layers = (m.num_layers + m.mtp_depth) / sizes["pipeline"]
+    saved = layers * t * m.hidden_size * width * SAVED_PER_LAYER[layout.remat]
+    ep = sizes["expert"]
+    moe = t * ep * (m.hidden_size * (width + 4) + e.experts_per_token / ep * (
+        2 * e.expert_mlp_size / sizes["tensor"] + m.hidden_size) * 4)
+    logits = 3 * t * m.vocab_size / sizes["tensor"] * 4
+    return saved + moe + logits
+
+
+def comm_bytes(cfg: Config, layout: Layout, params_per_device: int) -> dict:
+    """Modelled bytes one device sends per step, per axis, in collective_bytes' shape: FSDP
+    gathers (forward, backward) and gradient reduce-scatter; dropless dispatch gathers and
+    combines per MoE layer (forward, remat, backward); tensor all-reduces; data all-reduces."""
+    m, sizes = cfg.model, layout.sizes
+    t = tokens_per_device(cfg, sizes, 1)
+    width = 2 if cfg.precision.compute_dtype != "float32" else 4
+    moe_layers = sum(n for is_moe, _, n in layer_groups(m) if is_moe) + m.mtp_depth
+    f, ep, tp, dp = sizes["fsdp"], sizes["expert"], sizes["tensor"], sizes["data"]
+    elements = params_per_device / 4
+    sent = {
+        "fsdp": (f - 1) * elements * (2 * width + 4) * layout.microbatches,
+        "expert": 3 * (ep - 1) * t * m.hidden_size * (width + 4) * moe_layers,
+        "tensor": 6 * 2 * (tp - 1) / tp * t * m.hidden_size * width * m.num_layers,
+        "data": 2 * (dp - 1) / dp * params_per_device,
+    }
+    out = {}
+    for axis, n in sent.items():
+        if sizes[axis] > 1:
+            link = "dcn" if layout.dcn[axis] > 1 else "ici"
+            out[axis] = {"estimate": {"ici": 0.0, "dcn": 0.0} | {link: n}}
+    return out
+
+
+def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
+    """The analytic figures of one layout given its StateBytes."""
+    act = activation_bytes(cfg, layout)
+    temporaries = int(state.grads + act)
+    batch = cfg.data.global_batch_size * cfg.data.seq_len * 20 // shards(cfg, layout.sizes, "batch")
+    peak = state.total + batch + temporaries
+    flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
+    bubble = pipeline_schedule(cfg.model, layout.sizes["pipeline"]).bubble
+    step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state.params), bubble)
+    return Estimate(layout, state.total, temporaries, peak, step.step_s,
+                    peak <= cluster.usable_bytes)
+
+
+def ranked(cfg: Config, origins: dict[str, str], cluster: Cluster) -> Ranking:
+    """Every valid layout estimated; the fitting ones ordered by estimated step time, then
+    peak. State bytes are computed once per distinct mesh."""
+    states: dict[tuple, object] = {}
+    out = []
+    for layout in layouts(cfg, origins, cluster):
+        key = tuple(layout.sizes.values())
+        if key not in states:
+            states[key] = state_bytes(cfg, layout.sizes)
+        out.append(estimate(cfg, layout, cluster, states[key]))
+    fitting = sorted((e for e in out if e.fits), key=lambda e: (e.step_s, e.peak))
+    return Ranking(out, fitting)
