@@ -224,6 +224,8 @@ def load_cluster(spec: str) -> Cluster:
     is_path = "/" in spec or path.suffix in (".yaml", ".yml")
     if is_path and path.is_file():
         return _load_file(path)
+    if is_path and not path.is_absolute() and (PACKAGE_CONFIGS.parent / path).is_file():
+        return _load_file(PACKAGE_CONFIGS.parent / path)  # configs/... from another directory
     if not is_path or path.parent == Path("."):
         found = _find("cluster", path.name)
         if found is not None:

@@ -70,6 +70,7 @@ def test_spec_forms_and_the_current_directorys_configs(tmp_path, monkeypatch):
     assert load_cluster("local").hosts == 8
     assert load_cluster("configs/cluster/local.yaml").devices == 64
     assert load_cluster("2048xh800").hosts == 256  # the package's kinds still found
+    assert load_cluster("configs/cluster/deepseek_v3_h800.yaml").devices == 2048  # package's
 
 
 def one_line_error(spec: str) -> str:
