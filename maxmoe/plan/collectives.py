@@ -1,0 +1,395 @@
+"""Bytes one device sends per train step, by mesh axis and collective kind, read from the
+compiled (SPMD-partitioned) HLO text of `jax.jit(...).lower(...).compile().as_text()`.
+
+Convention: the usual ring / bandwidth-optimal figures for a group of n devices, from the
+per-device buffers in the HLO: all-gather (n-1)/n x result (= (n-1) x operand), reduce-scatter
+(n-1)/n x operand, all-reduce 2(n-1)/n x operand, all-to-all (n-1)/n x operand (a
+ragged-all-to-all counts as an all-to-all of its whole input buffer: an upper bound),
+collective-permute the operand, for each device that sends. Figures are averaged over all
+devices of the mesh.
+
+Inside a host (ICI) or across hosts (DCN): a device whose group of n has g members on its own
+host exchanges with g-1 peers inside and n-g outside, so (g-1)/(n-1) of its bytes are
+counted as ICI and (n-g)/(n-1) as DCN. That is a flat ring/all-pairs assumption;
+hierarchical NCCL algorithms (intra-host reduce, then inter-host) send less across hosts.
+A permute is ICI when source and target share a host, else DCN.
+
+Loops: a collective inside a `while` body counts trip-count times
+(backend_config known_trip_count, nested loops multiply); a loop without a known trip count
+counts once and adds a warning. A `conditional` counts its most expensive branch once (the
+step guard's update branch is what runs on normal steps). Computations reached by call,
+fusion, async wrappers and reducers count with their caller's multiplier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Iterator
+
+import numpy as np
+from jax.sharding import Mesh
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+_OPCODE_KIND = {k: k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
+_CALLEE_KEYS = ("calls", "to_apply", "body", "condition", "branch_computations",
+                "true_computation", "false_computation", "called_computations")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([<=\d,]*)\]")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+Bytes = dict[tuple[str, str], np.ndarray]  # (axis label, kind) -> [ici, dcn]
+
+
+@dataclasses.dataclass(frozen=True)
+class CommBytes:
+    """by_axis: {axis_label: {kind: {"ici": bytes, "dcn": bytes}}}, bytes one device sends per
+    step (mesh axes of size > 1 that vary inside a group, joined with "+" in mesh order).
+    warnings: loops counted once for want of a known trip count, and unparsed collectives."""
+    by_axis: dict[str, dict[str, dict[str, float]]]
+    warnings: list[str]
+
+    def total(self, link: str) -> float:
+        """All bytes over `link` ("ici" or "dcn")."""
+        return sum(v[link] for kinds in self.by_axis.values() for v in kinds.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    name: str
+    type: str  # result shape text, e.g. "f32[4,8]{1,0}" or a tuple "(f32[4], s32[])"
+    opcode: str
+    operands: list[str]  # as printed: "%name" or "f32[4] %name"
+    attrs: str
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes of one element of an HLO primitive type (pred 1, bf16 2, s4 0.5, c64 8...)."""
+    if dtype == "pred":
+        return 1.0
+    if dtype in ("token", "opaque"):
+        return 0.0
+    m = re.match(r"[a-z]+?(\d+)", dtype)
+    if not m:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return int(m.group(1)) / 8
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape text (arrays and tuples; layouts and comments ignored)."""
+    total = 0.0
+    for dtype, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape)):
+        sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d]
+        total += dtype_bytes(dtype) * int(np.prod(sizes, dtype=np.int64))
+    return total
+
+
+def _split_top(text: str, sep: str = ",") -> list[str]:
+    """Splits at `sep` outside (), [], {}."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == sep and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _close(text: str, start: int) -> int:
+    """Index of the bracket closing the one at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced brackets in HLO: {text[:120]!r}")
+
+
+def parse_instruction(line: str) -> Instr | None:
+    """One HLO instruction line -> Instr; None for anything else."""
+    m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2).strip()
+    end = _close(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
+    type_, rest = rest[:end], rest[end:].strip()
+    paren = rest.find("(")
+    if paren < 0:
+        return None
+    close = _close(rest, paren)
+    return Instr(name, type_, rest[:paren].strip(), _split_top(rest[paren + 1:close]),
+                 rest[close + 1:].lstrip(", "))
+
+
+def parse_module(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
+    """HLO module text -> ({computation: instructions}, entry computation name)."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(2)
+            comps[current] = []
+            entry = current if header.group(1) else entry
+        elif line.strip() == "}":
+            current = None
+        elif current is not None and (ins := parse_instruction(line)):
+            comps[current].append(ins)
+    if not entry:
+        raise ValueError("HLO text has no ENTRY computation")
+    return comps, entry
+
+
+def _iota(text: str) -> np.ndarray:
+    """`[d0,d1]T(p0,p1)` or `[d0,d1]` (XLA's iota tile assignment) -> the flat id order."""
+    m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", text.strip())
+    if not m:
+        raise ValueError(f"cannot parse iota device list {text!r}")
+    dims = [int(d) for d in m.group(1).split(",")]
+    arr = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(2):
+        arr = arr.transpose([int(p) for p in m.group(2).split(",")])
+    return arr.reshape(-1)
+
+
+def _attr(attrs: str, key: str) -> str | None:
+    """The value text of `key=` in an attribute list (bracket-balanced), None if absent."""
+    m = re.search(rf"(?:^|[\s,]){key}=", attrs)
+    if not m:
+        return None
+    i = m.end()
+    if attrs[i] in "{[(":
+        end = _close(attrs, i) + 1
+        if attrs[i] == "[" and attrs[end:end + 2] == "<=":  # iota form [G,N]<=[dims]T(perm)
+            end = _close(attrs, end + 2) + 1
+            if attrs[end:end + 2] == "T(":
+                end = _close(attrs, end + 1) + 1
+        return attrs[i:end]
+    return re.match(r"[^,\s]+", attrs[i:]).group(0)
+
+
+def _device_list(text: str) -> np.ndarray:
+    """`[dims]T(perm)` (iota) or `0,1,2,...` -> flat device ids."""
+    text = text.strip()
+    if text.startswith("["):
+        return _iota(text)
+    return np.array([int(x) for x in text.split(",")])
+
+
+def _mesh_groups(attrs: str) -> list[list[int]]:
+    """The mesh-axes form: `replica_groups=mesh['a'=2,'b'=4], device_ids=(...) {'b'}` (or a
+    sub-axis `'b':(pre)size`): groups are the devices that differ only along those axes."""
+    start = attrs.index("replica_groups=mesh[") + len("replica_groups=mesh")
+    end = _close(attrs, start)
+    axes = re.findall(r"'([^']+)'=(\d+)", attrs[start:end])
+    names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
+    rest = attrs[end + 1:]
+    ids = np.arange(int(np.prod(sizes)))
+    dev = re.match(r"\s*,\s*device_ids=\(", rest)
+    if dev:
+        close = _close(rest, dev.end() - 1)
+        ids, rest = _device_list(rest[dev.end():close]), rest[close + 1:]
+    brace = rest.index("{")
+    refs = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", rest[brace:_close(rest, brace)])
+    dims: list[int] = []
+    grouped: list[int] = []
+    for axis, size in zip(names, sizes, strict=True):
+        subs = sorted((int(p or 1), int(s or size)) for a, p, s in refs if a == axis)
+        done = 1
+        for pre, sub in subs:  # split the axis into [pre/done, sub, ...]: group the sub part
+            if pre > done:
+                dims.append(pre // done)
+            grouped.append(len(dims))
+            dims.append(sub)
+            done = pre * sub
+        if done < size:
+            dims.append(size // done)
+    keep = [d for d in range(len(dims)) if d not in grouped]
+    n = int(np.prod([dims[d] for d in grouped]))
+    return ids.reshape(dims).transpose(keep + grouped).reshape(-1, n).tolist()
+
+
+def replica_groups(attrs: str, num_partitions: int) -> list[list[int]]:
+    """The device groups of a collective: explicit `{{0,1},{2,3}}`, iota `[G,N]<=[dims]T(p)`,
+    the mesh-axes form, or none/empty (all partitions in one group)."""
+    if "replica_groups=mesh[" in attrs:
+        return _mesh_groups(attrs)
+    value = _attr(attrs, "replica_groups")
+    if value is None or re.fullmatch(r"\{\s*\}", value):
+        return [list(range(num_partitions))]
+    if value.startswith("{"):
+        return [[int(x) for x in g.split(",") if x.strip()]
+                for g in re.findall(r"\{([\d,\s]*)\}", value[1:-1])]
+    m = re.fullmatch(r"\[(\d+),(\d+)\]<=(.*)", value)
+    if not m:
+        raise ValueError(f"cannot parse replica_groups={value}")
+    return _iota(m.group(3)).reshape(int(m.group(1)), int(m.group(2))).tolist()
+
+
+def source_target_pairs(attrs: str) -> list[tuple[int, int]]:
+    """collective-permute's `source_target_pairs={{0,1},{1,0}}`."""
+    value = _attr(attrs, "source_target_pairs") or "{}"
+    return [(int(s), int(t)) for s, t in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", value)]
+
+
+class _Topology:
+    """Partition id -> mesh coordinates and host (partition i is mesh.devices.flat[i])."""
+
+    def __init__(self, mesh: Mesh, devices_per_host: int):
+        self.names = [a for a, s in mesh.shape.items() if s > 1]
+        shape = mesh.devices.shape
+        coords = np.array(np.unravel_index(np.arange(mesh.devices.size), shape)).T
+        self.coords = coords[:, [i for i, s in enumerate(shape) if s > 1]]
+        self.host = np.array([d.id // devices_per_host for d in mesh.devices.flat])
+        self.size = mesh.devices.size
+
+    def label(self, groups) -> str:
+        """Mesh axes (size > 1) whose coordinate varies inside any of `groups` (an array of
+        partition ids, one group per row), "+"-joined in mesh order."""
+        c = self.coords[np.asarray(groups).reshape(-1, np.shape(groups)[-1])]
+        varies = (c != c[:, :1]).any(axis=(0, 1))
+        return "+".join(a for a, v in zip(self.names, varies, strict=True) if v)
+
+    def union_label(self, labels: list[str]) -> str:
+        """Axes named in any of `labels`, in mesh order."""
+        used = {a for lab in labels for a in lab.split("+") if a}
+        return "+".join(a for a in self.names if a in used)
+
+
+def _operand_bytes(ins: Instr, symbols: dict[str, str]) -> float:
+    """Bytes of the operands that carry data (the first only for ragged-all-to-all and an
+    in-place collective-permute, whose other operands are offsets and output buffers)."""
+    ops = ins.operands
+    if ins.opcode.startswith("ragged-all-to-all") or "slice_sizes=" in ins.attrs:
+        ops = ops[:1]
+    total = 0.0
+    for op in ops:
+        parts = op.rsplit(None, 1)
+        name = parts[-1].lstrip("%")
+        total += shape_bytes(parts[0] if len(parts) == 2 else symbols[name])
+    return total
+
+
+_GROUP_FACTOR = {"all-gather": lambda n: n - 1, "reduce-scatter": lambda n: (n - 1) / n,
+                 "all-to-all": lambda n: (n - 1) / n, "all-reduce": lambda n: 2 * (n - 1) / n}
+
+
+def _collective(ins: Instr, symbols: dict[str, str], topo: _Topology) -> Bytes:
+    """The mesh-averaged [ici, dcn] bytes one collective instruction sends, keyed by (axis
+    label, kind); empty for anything that is not a collective (or its -done half)."""
+    kind = _OPCODE_KIND.get(ins.opcode.removesuffix("-start"))
+    if kind is None:
+        return {}
+    size, link = _operand_bytes(ins, symbols), np.zeros(2)
+    if kind == "collective-permute":
+        pairs = [(s, t) for s, t in source_target_pairs(ins.attrs) if s != t]
+        for s, t in pairs:
+            link[0 if topo.host[s] == topo.host[t] else 1] += size
+        label = topo.label(pairs) if pairs else ""
+    else:
+        groups = [g for g in replica_groups(ins.attrs, topo.size) if len(g) > 1]
+        labels = []
+        for n in sorted({len(g) for g in groups}):  # one array per group size
+            ids = np.array([g for g in groups if len(g) == n])
+            hosts = topo.host[ids]
+            same = (hosts[:, :, None] == hosts[:, None, :]).sum(-1)  # own-host members
+            per_device = _GROUP_FACTOR[kind](n) * size / (n - 1)
+            link += per_device * np.array([np.sum(same - 1), np.sum(n - same)])
+            labels.append(topo.label(ids))
+        label = topo.union_label(labels)
+    return {(label, kind): link / topo.size} if label and link.sum() > 0 else {}
+
+
+def _callees(ins: Instr) -> list[str]:
+    """Computations an instruction runs (body, condition, branches, calls, to_apply...)."""
+    names = []
+    for key in _CALLEE_KEYS:
+        value = _attr(ins.attrs, key)
+        if value:
+            names += re.findall(r"%?([\w.\-]+)", value.strip("{}"))
+    return names
+
+
+def _add(into: Bytes, other: Bytes, times: float = 1.0) -> None:
+    for key, v in other.items():
+        into[key] = into.get(key, np.zeros(2)) + times * v
+
+
+def _walk(comps: dict[str, list[Instr]], symbols: dict[str, str], topo: _Topology,
+          warnings: list[str]):
+    """cost(computation) -> Bytes of one execution of it, loops and callees included."""
+
+    @functools.cache
+    def cost(name: str) -> Bytes:
+        total: Bytes = {}
+        for ins in comps[name]:
+            try:
+                _add(total, _collective(ins, symbols, topo))
+            except (ValueError, KeyError) as e:
+                warnings.append(f"{ins.opcode} {ins.name}: not counted ({e})")
+            if ins.opcode.endswith(("-done", "-update")):
+                continue  # the -start half already counted its wrapped computation
+            subs = [cost(c) for c in _callees(ins) if c in comps]
+            if ins.opcode == "conditional":
+                _add(total, max(subs, key=lambda b: sum(v.sum() for v in b.values()),
+                                default={}))
+                continue
+            times = 1.0
+            if ins.opcode == "while":
+                trip = _TRIP.search(ins.attrs)
+                inner = sum(v.sum() for b in subs for v in b.values())
+                if trip:
+                    times = float(trip.group(1))
+                elif inner > 0:
+                    warnings.append(f"while {ins.name}: no known trip count, its collectives "
+                                    f"({inner:.4g} bytes per iteration) counted once")
+            for sub in subs:
+                _add(total, sub, times)
+        return total
+
+    return cost
+
+
+def collective_bytes(hlo_text: str, mesh: Mesh, devices_per_host: int) -> CommBytes:
+    """Bytes one device sends per step by mesh axis, kind and link (module docstring).
+
+    hlo_text: `compiled.as_text()` of the SPMD-partitioned step on `mesh` (partition i is
+    mesh.devices.flat[i]); devices_per_host: a device's host is its id // devices_per_host.
+    """
+    comps, entry = parse_module(hlo_text)
+    symbols = {ins.name: ins.type for body in comps.values() for ins in body}
+    warnings: list[str] = []
+    total = _walk(comps, symbols, _Topology(mesh, devices_per_host), warnings)(entry)
+    by_axis: dict[str, dict[str, dict[str, float]]] = {}
+    for (label, kind), (ici, dcn) in sorted(total.items()):
+        by_axis.setdefault(label, {})[kind] = {"ici": float(ici), "dcn": float(dcn)}
+    return CommBytes(by_axis, warnings)
+
+
+def _rows(result: CommBytes) -> Iterator[tuple[str, str, float, float]]:
+    for label, kinds in result.by_axis.items():
+        for kind, v in kinds.items():
+            yield label, kind, v["ici"], v["dcn"]
+
+
+def summarize(result: CommBytes) -> str:
+    """A short table: axis, kind, GB inside a host, GB across hosts (per device per step),
+    then a total line and the warnings."""
+    lines = [f"{'axis':<24} {'kind':<20} {'GB inside':>12} {'GB across':>12}"]
+    for label, kind, ici, dcn in _rows(result):
+        lines.append(f"{label:<24} {kind:<20} {ici / 1e9:>12.4g} {dcn / 1e9:>12.4g}")
+    lines.append(f"{'total':<45} {result.total('ici') / 1e9:>12.4g} "
+                 f"{result.total('dcn') / 1e9:>12.4g}")
+    return "\n".join(lines + [f"warning: {w}" for w in result.warnings])
