@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -64,26 +65,37 @@ def current_mesh() -> Mesh | None:
     return _MESH.get()
 
 
-def spec(logical: Sequence[str | None], rules: dict[str, list[str]] | None = None,
-         shape: Sequence[int] | None = None) -> P:
-    """Logical axis names -> PartitionSpec. A mesh axis is used at most once per spec.
+def dim_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
+             sizes: Mapping[str, int] | None = None,
+             shape: Sequence[int] | None = None) -> list[tuple[str, ...]]:
+    """The mesh axes each dimension is split over: the one axis choice of every spec.
 
-    With `shape`, a dimension the mesh axes do not divide stays whole (e.g. a 1-layer stack
-    on 4 pipeline stages); config validation rejects the cases where that would be wrong.
+    A mesh axis is used at most once per spec. With `sizes` (mesh axis -> size), size-1 axes
+    are dropped, and with `shape` too, a dimension the chosen axes do not divide stays whole
+    (e.g. a 1-layer stack on 4 pipeline stages); config validation rejects the cases where
+    that would be wrong. Needs no mesh object, so a planner can ask for any cluster size.
     """
-    rules = rules if rules is not None else (_RULES.get() or {})
     used: set[str] = set()
     out = []
     for dim, name in enumerate(logical):
         axes = [a for a in (rules.get(name, []) if name else []) if a not in used]
-        mesh = _MESH.get()
-        if mesh is not None:  # size-1 axes add nothing and keep specs readable
-            axes = [a for a in axes if mesh.shape[a] > 1]
-            if shape is not None and shape[dim] % int(np.prod([mesh.shape[a] for a in axes])):
+        if sizes is not None:  # size-1 axes add nothing and keep specs readable
+            axes = [a for a in axes if sizes[a] > 1]
+            if shape is not None and shape[dim] % math.prod(sizes[a] for a in axes):
                 axes = []
         used.update(axes)
-        out.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
-    return P(*out)
+        out.append(tuple(axes))
+    return out
+
+
+def spec(logical: Sequence[str | None], rules: dict[str, list[str]] | None = None,
+         shape: Sequence[int] | None = None) -> P:
+    """Logical axis names -> PartitionSpec under the current mesh (see `dim_axes`)."""
+    rules = rules if rules is not None else (_RULES.get() or {})
+    mesh = _MESH.get()
+    sizes = dict(mesh.shape) if mesh is not None else None
+    return P(*(axes if len(axes) > 1 else (axes[0] if axes else None)
+               for axes in dim_axes(logical, rules, sizes, shape)))
 
 
 def named(logical: Sequence[str | None]) -> NamedSharding:

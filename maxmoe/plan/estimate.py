@@ -1,0 +1,119 @@
+"""Analytic train-state bytes per device: no devices, no mesh object, no compile.
+
+`state_bytes(cfg, sizes)` sizes every leaf of the train state from its shape, dtype and the
+mesh axes the rules table splits it over (`sharding.dim_axes`, the choice `make_trainer`'s
+shardings make), for mesh axis sizes of any cluster: `maxmoe plan --search` ranks layouts by
+it before compiling any, and the launch-template test checks that the templates fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from maxmoe.config import Config
+from maxmoe.model.router import RouterBias
+from maxmoe.model.transformer import build_model
+from maxmoe.sharding import dim_axes, param_axes
+from maxmoe.train.optimizer import make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One train-state leaf on one device: `path` as jax.tree_util.keystr under its part."""
+    path: str
+    shape: tuple[int, ...]  # per device
+    dtype: Any
+    sharded: bool  # split over at least one mesh axis
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Bytes per device of the train state's parts (the scalar step/guard/loss-scale entries,
+    a few hundred bytes, are left out). `grads` are the step's gradients: float32 like the
+    master params they are taken against, sharded as the params. `total` = params + opt_state
+    + buffers (optimizer.offload_state keeps opt_state in host memory; it is counted anyway).
+    `replicated`: (path, bytes) of params, their optimizer moments and buffers split over no
+    mesh axis although the mesh has more than one device, largest first."""
+    params: int
+    grads: int
+    opt_state: int
+    buffers: int
+    total: int
+    replicated: list[tuple[str, int]]
+    replicated_bytes: int
+
+
+def _per_device(abstract: jax.ShapeDtypeStruct, logical, cfg: Config,
+                sizes: dict[str, int]) -> tuple[tuple[int, ...], bool]:
+    """(per-device shape, sharded?) of a leaf with these logical axes."""
+    axes = dim_axes(logical, cfg.mesh.rules, sizes, abstract.shape)
+    shape = tuple(n // math.prod(sizes[a] for a in ax) for n, ax in zip(abstract.shape, axes,
+                                                                       strict=True))
+    return shape, any(axes)
+
+
+def _variable_leaves(state, cfg: Config, sizes: dict[str, int]) -> dict[str, Leaf]:
+    """{keystr of the pure-dict path: Leaf} for an nnx.State of abstract variables."""
+    def one(v):
+        shape, sharded = _per_device(v.get_value(), param_axes(v), cfg, sizes)
+        return Leaf("", shape, v.get_value().dtype, sharded)
+
+    tree = nnx.to_pure_dict(jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return {jax.tree_util.keystr(path): dataclasses.replace(leaf, path=jax.tree_util.keystr(path))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(
+                tree, is_leaf=lambda x: isinstance(x, Leaf))}
+
+
+def state_leaves(cfg: Config, sizes: dict[str, int]) -> dict[str, list[Leaf]]:
+    """{"params", "opt_state", "buffers"}: every leaf with its per-device shape on a mesh of
+    these axis sizes (validate's). Optimizer moments take their param's split (as
+    make_trainer does through optax.tree_map_params); its other leaves are replicated."""
+    model = nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed))
+    _, abstract_params, abstract_buffers = nnx.split(model, nnx.Param, RouterBias)
+    params = _variable_leaves(abstract_params, cfg, sizes)
+    buffers = _variable_leaves(abstract_buffers, cfg, sizes)
+    pure = nnx.to_pure_dict(abstract_params)
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+    opt_state = jax.eval_shape(optimizer.init, pure)
+    param_tree = jax.tree_util.tree_map_with_path(
+        lambda path, _: params[jax.tree_util.keystr(path)], pure)
+
+    def mirror(moment, param: Leaf) -> Leaf:
+        return Leaf("", param.shape, moment.dtype, param.sharded)
+
+    opt_tree = optax.tree_map_params(
+        optimizer, mirror, opt_state, param_tree,
+        transform_non_params=lambda x: Leaf("", tuple(x.shape), x.dtype, False),
+        is_leaf=lambda x: isinstance(x, Leaf))
+    opt = [dataclasses.replace(leaf, path=jax.tree_util.keystr(path))
+           for path, leaf in jax.tree_util.tree_leaves_with_path(
+               opt_tree, is_leaf=lambda x: isinstance(x, Leaf))]
+    return {"params": list(params.values()), "opt_state": opt, "buffers": list(buffers.values())}
+
+
+def state_bytes(cfg: Config, sizes: dict[str, int]) -> StateBytes:
+    """Train-state bytes per device of `cfg` on a mesh of these axis sizes (validate's; any
+    device count, whatever this process has). Builds shapes only: nothing is allocated."""
+    leaves = state_leaves(cfg, sizes)
+    part = {name: sum(leaf.bytes for leaf in group) for name, group in leaves.items()}
+    replicated: list[tuple[str, int]] = []
+    if math.prod(sizes.values()) > 1:
+        for name, group in leaves.items():
+            replicated += [(f"{name}{leaf.path}", leaf.bytes) for leaf in group
+                           if not leaf.sharded and leaf.shape]  # not the optimizer's counters
+    replicated.sort(key=lambda item: (-item[1], item[0]))
+    return StateBytes(params=part["params"], grads=part["params"], opt_state=part["opt_state"],
+                      buffers=part["buffers"],
+                      total=part["params"] + part["opt_state"] + part["buffers"],
+                      replicated=replicated, replicated_bytes=sum(b for _, b in replicated))
