@@ -3,7 +3,7 @@
 # for a first try of multi-host training on one box). Every process runs the same command;
 # process 0 hosts the coordinator and writes logs, metrics and the config.
 #
-#   launch/local_multiprocess.sh 2 train configs/tiny.yaml mesh.cpu_devices=4
+#   launch/local_multiprocess.sh 2 train configs/tiny.yaml mesh.cpu_devices=4 mesh.dcn_data=2
 #
 # N: processes. On CPU give each process its devices with mesh.cpu_devices=K (the global mesh
 # then has N*K devices). On a multi-GPU box each process sees all GPUs unless you restrict

@@ -31,7 +31,14 @@ from maxmoe.config import (
     TrainConfig,
     fail,
 )
+from maxmoe.data.corpus import STDLIB
 from maxmoe.model.spec import layer_groups, pipeline_schedule
+
+# The largest vocabulary the stdlib fallback is for: its tokenizer is trained on a ~4 MB
+# sample (data/tokenizer.py), which SentencePiece BPE cannot fill past ~61K pieces (61,225 on
+# Python 3.11's stdlib), and 2^15 is the largest the shipped configs train on it
+# (configs/bench/h200_deepseek_1b.yaml). Bigger vocabularies belong to models for real corpora.
+STDLIB_MAX_VOCAB = 32768
 
 
 class Need:
@@ -338,16 +345,32 @@ def check_batch_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
          f"use a multiple of {batch_shards}")
 
 
+def check_data_fits_model(cfg: Config, need: Need) -> None:
+    """A model with a big vocabulary names its data: the stdlib fallback would otherwise
+    train a tokenizer of that size on a few MB of Python sources (and fail, or be useless)."""
+    d = cfg.data
+    falls_back = d.source == STDLIB and not d.tokenizer_dir and not d.mixture.strip()
+    need(not falls_back or cfg.model.vocab_size <= STDLIB_MAX_VOCAB, "data.source",
+         f"model.vocab_size={cfg.model.vocab_size} needs real data: the stdlib fallback trains "
+         f"tokenizers of at most {STDLIB_MAX_VOCAB} pieces on a few MB of Python sources",
+         "set data.source to a folder written by `maxmoe data prepare` (or "
+         "data.mixture='DIR:WEIGHT,...'), or data.tokenizer_dir to a tokenizer of that size")
+
+
 def validate(cfg: Config, num_devices: int, origins: dict[str, str],
-             num_processes: int = 1) -> dict[str, int]:
+             num_processes: int = 1, *, reads_data: bool = False) -> dict[str, int]:
     """Checks everything that can be checked before compiling; returns the mesh shape.
 
     origins: key -> where its value came from (load_config's); a missing key reads 'defaults'.
+    reads_data: the run reads cfg.data (train; bench's batches are synthetic), so the data
+    must suit the model too (check_data_fits_model).
     """
     need = Need(cfg, origins)
     for section, check in SECTION_CHECKS.items():
         check(getattr(cfg, section), need)
     check_best_checkpoint_needs_evals(cfg, need)
+    if reads_data:
+        check_data_fits_model(cfg, need)
     sizes = resolve_mesh_shape(cfg, num_devices, origins)
     check_hosts(cfg, sizes, num_devices, num_processes, need)
     check_pipeline(cfg, sizes, need)

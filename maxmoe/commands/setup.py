@@ -6,11 +6,12 @@ from maxmoe.config import load_config
 from maxmoe.distributed import initialize
 
 
-def configure(items: list[str]):
+def configure(items: list[str], reads_data: bool = False):
     """CONFIG files and KEY=VALUE overrides (any order) -> (Config, mesh sizes by axis name).
 
     Loads and validates the config, sets the fake CPU device count and joins jax.distributed,
     all before anything compiles, so a user mistake costs no compile time. Raises ConfigError.
+    reads_data: the command reads cfg.data (train), so validation checks it suits the model.
     """
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
@@ -26,5 +27,6 @@ def configure(items: list[str]):
     # late: imports the model (JAX, Flax); loaded once the device count and jax.distributed are set
     from maxmoe.validation import validate
 
-    sizes = validate(cfg, jax.device_count(), origins, jax.process_count())
+    sizes = validate(cfg, jax.device_count(), origins, jax.process_count(),
+                     reads_data=reads_data)
     return cfg, sizes

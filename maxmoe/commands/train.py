@@ -32,7 +32,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     """Trains to train.steps; prints one JSON summary (process 0). Exit 0, or EXIT_PREEMPTED
     when SIGTERM stopped it after a save."""
-    cfg, sizes = configure(args.items)
+    cfg, sizes = configure(args.items, reads_data=True)
     # late: JAX and the training loop; keeps `maxmoe --help` free of them
     import jax
 
