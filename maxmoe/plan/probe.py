@@ -31,7 +31,7 @@ from maxmoe.config import ConfigError, load_config
 from maxmoe.model.spec import pipeline_schedule
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.sharding import use_mesh
-from maxmoe.train.setup import prepare_run
+from maxmoe.train.setup import RunSetup, prepare_run
 from maxmoe.validation import validate
 
 # key -> (value compiled on CPU, why). The GPU runs ragged_dot (a grouped GEMM) and cuDNN flash
@@ -147,24 +147,30 @@ def measure(items: list[str], devices: int, hosts: int, devices_per_host: int) -
     jax.config.update("jax_num_cpu_devices", devices)
     sizes = validate(cfg, devices, origins, hosts)
     setup = prepare_run(cfg, sizes)
-    trainer = setup.trainer
-    batch = abstract_batch(cfg, trainer.batch_sharding)
+    batch = abstract_batch(cfg, setup.trainer.batch_sharding)
     t = time.perf_counter()
-    with use_mesh(trainer.mesh, trainer.rules):
-        lowered = trainer.jitted_step.lower(trainer.abstract_state, batch)
-        lower_s = time.perf_counter() - t
-        compiled = lowered.compile()
-    compile_s = time.perf_counter() - t - lower_s
+    with use_mesh(setup.trainer.mesh, setup.trainer.rules):
+        compiled = setup.trainer.jitted_step.lower(setup.trainer.abstract_state, batch).compile()
+    result = compiled_figures(setup, compiled, devices_per_host)
+    result.update(stand_ins={k: v for k, (v, _) in GPU_STAND_INS.items()},
+                  compile_s=round(time.perf_counter() - t, 1))
+    return result
+
+
+def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
+    """The probe's figures (module docstring) of a compiled train step: what `maxmoe plan`
+    measures on fake devices, and `maxmoe train` (plan.json, --dry-run) on the real ones."""
+    cfg, trainer, sizes = setup.cfg, setup.trainer, setup.mesh_sizes
+    devices = math.prod(sizes.values())
     hlo = compiled.as_text()
     parts = state_parts(trainer.abstract_state)
     replicated = replicated_leaves(trainer.abstract_state, devices)
     comm = collective_bytes(hlo, trainer.mesh, devices_per_host)
+    batch = abstract_batch(cfg, trainer.batch_sharding)
     mesh = dict(sizes, **{f"dcn_{a}": getattr(cfg.mesh, f"dcn_{a}") for a in sizes})
     return {
-        "devices": devices, "hosts": hosts, "mesh": mesh,
+        "devices": devices, "hosts": math.prod(mesh[f"dcn_{a}"] for a in sizes), "mesh": mesh,
         "remat": cfg.model.remat_policy, "microbatches": cfg.train.grad_accum_steps,
-        "stand_ins": {k: v for k, (v, _) in GPU_STAND_INS.items()},
-        "lower_s": round(lower_s, 1), "compile_s": round(compile_s, 1),
         "memory": memory_analysis(compiled),
         "state": parts,
         "state_global_bytes": sum(math.prod(a.shape) * a.dtype.itemsize
