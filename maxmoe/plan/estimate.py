@@ -9,6 +9,7 @@ it before compiling any, and the launch-template test checks that the templates 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -52,6 +53,7 @@ class StateBytes:
     total: int
     replicated: list[tuple[str, int]]
     replicated_bytes: int
+    largest_param: int = 0  # the largest parameter leaf on one device
 
 
 def _per_device(abstract: jax.ShapeDtypeStruct, logical, cfg: Config,
@@ -75,17 +77,32 @@ def _variable_leaves(state, cfg: Config, sizes: dict[str, int]) -> dict[str, Lea
                 tree, is_leaf=lambda x: isinstance(x, Leaf))}
 
 
+_ABSTRACT: dict[str, tuple] = {}  # shape-determining config sections (JSON) -> traced state
+
+
+def _abstract_state(cfg: Config) -> tuple:
+    """(abstract params, buffers, optimizer, abstract opt state) of a config, traced once per
+    model and optimizer: a search sizes hundreds of meshes of one model."""
+    key = json.dumps([dataclasses.asdict(getattr(cfg, section)) for section in
+                      ("model", "attention", "moe", "optimizer", "train")], sort_keys=True)
+    if key not in _ABSTRACT:
+        model = nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed))
+        _, abstract_params, abstract_buffers = nnx.split(model, nnx.Param, RouterBias)
+        optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+        opt_state = jax.eval_shape(optimizer.init, nnx.to_pure_dict(abstract_params))
+        _ABSTRACT.clear()  # one model at a time: a 671B trace holds a few MB of metadata
+        _ABSTRACT[key] = abstract_params, abstract_buffers, optimizer, opt_state
+    return _ABSTRACT[key]
+
+
 def state_leaves(cfg: Config, sizes: dict[str, int]) -> dict[str, list[Leaf]]:
     """{"params", "opt_state", "buffers"}: every leaf with its per-device shape on a mesh of
     these axis sizes (validate's). Optimizer moments take their param's split (as
     make_trainer does through optax.tree_map_params); its other leaves are replicated."""
-    model = nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed))
-    _, abstract_params, abstract_buffers = nnx.split(model, nnx.Param, RouterBias)
+    abstract_params, abstract_buffers, optimizer, opt_state = _abstract_state(cfg)
     params = _variable_leaves(abstract_params, cfg, sizes)
     buffers = _variable_leaves(abstract_buffers, cfg, sizes)
     pure = nnx.to_pure_dict(abstract_params)
-    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
-    opt_state = jax.eval_shape(optimizer.init, pure)
     param_tree = jax.tree_util.tree_map_with_path(
         lambda path, _: params[jax.tree_util.keystr(path)], pure)
 
@@ -116,4 +133,5 @@ def state_bytes(cfg: Config, sizes: dict[str, int]) -> StateBytes:
     return StateBytes(params=part["params"], grads=part["params"], opt_state=part["opt_state"],
                       buffers=part["buffers"],
                       total=part["params"] + part["opt_state"] + part["buffers"],
-                      replicated=replicated, replicated_bytes=sum(b for _, b in replicated))
+                      replicated=replicated, replicated_bytes=sum(b for _, b in replicated),
+                      largest_param=max((leaf.bytes for leaf in leaves["params"]), default=0))

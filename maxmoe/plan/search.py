@@ -124,8 +124,10 @@ def layouts(cfg: Config, origins: dict[str, str], cluster: Cluster) -> list[Layo
 # Activation model of the pre-ranker: bytes per device of the step's temporaries beyond the
 # gradients, as multiples of one layer's residual stream [tokens per device, D] in the compute
 # dtype. The factors are fitted to compiles (tests/plan/test_search.py states the error).
-SAVED_PER_LAYER = {"full": 1.0, "save_named": 6.0, "dots": 10.0, "offload_named": 1.0,
-                   "none": 24.0}
+SAVED_PER_LAYER = {"full": 1.0, "save_named": 4.0, "dots": 10.0, "offload_named": 1.0,
+                   "none": 14.0}
+LOGITS_COPIES = 7  # [tokens, vocab / tensor] float32: logits, softmax, their gradients
+UPDATE_COPIES = 2  # of the largest parameter leaf: gradient accumulation over the layer scan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +165,7 @@ def activation_bytes(cfg: Config, layout: Layout) -> float:
     ep = sizes["expert"]
     moe = t * ep * (m.hidden_size * (width + 4) + e.experts_per_token / ep * (
         2 * e.expert_mlp_size / sizes["tensor"] + m.hidden_size) * 4)
-    logits = 3 * t * m.vocab_size / sizes["tensor"] * 4
+    logits = LOGITS_COPIES * t * m.vocab_size / sizes["tensor"] * 4
     return saved + moe + logits
 
 
@@ -194,7 +196,7 @@ def comm_bytes(cfg: Config, layout: Layout, params_per_device: int) -> dict:
 def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     """The analytic figures of one layout given its StateBytes."""
     act = activation_bytes(cfg, layout)
-    temporaries = int(state.grads + act)
+    temporaries = int(state.grads + act + UPDATE_COPIES * state.largest_param)
     batch = cfg.data.global_batch_size * cfg.data.seq_len * 20 // shards(cfg, layout.sizes, "batch")
     peak = state.total + batch + temporaries
     flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
