@@ -5,4 +5,5 @@ estimate.py: analytic state bytes per device (no compile), the search's pre-rank
 collectives.py: bytes per step by mesh axis and collective kind, read from compiled HLO.
 roofline.py: step time, tokens/s, MFU, cost and checkpoint figures from those.
 probe.py: compiles the real train step on fake CPU devices (one subprocess per layout).
+gpu_aot.py: deviceless XLA:GPU compiles (needs jax[cuda12]; docs/gpu_aot.md).
 """
