@@ -3,6 +3,7 @@ or --search's best), compile each in its own process, and print the figures."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TextIO
 
@@ -31,6 +32,8 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
           f"{cluster.usable_bytes / GIB:.1f} GiB usable per device)", file=out)
     if search_layouts:
         layouts = search.ranked(cfg, origins, cluster)
+        if not layouts.fitting:
+            raise ConfigError(fits_nowhere(cfg, origins, cluster, len(layouts.all)))
         print(f"search: {len(layouts.all)} layouts pass validation; {len(layouts.fitting)} fit "
               f"by the analytic estimate; compiling the best {min(top, len(layouts.fitting))}",
               file=out)
@@ -115,6 +118,25 @@ def describe(best: dict, cluster: Cluster, out: TextIO) -> None:
         f"{cluster.storage_write_bandwidth / 1e9:.1f} GB/s each")
     if not best["fits"]:
         say(f"  does not fit: {fix_hint(best, cluster)}")
+
+
+def fits_nowhere(cfg, origins: dict[str, str], cluster: Cluster, valid: int) -> str:
+    """The one line for a config no layout of which fits the cluster: the smallest cluster of
+    that device kind (doubling the hosts) where one would, by the analytic estimate."""
+    where = f"no layout fits {cluster.name}" if valid else (
+        f"no mesh passes validation on {cluster.name}")
+    hosts = cluster.hosts
+    for _ in range(10):
+        hosts *= 2
+        bigger = dataclasses.replace(cluster, devices=hosts * cluster.devices_per_host,
+                                     name=f"{hosts * cluster.devices_per_host}x{cluster.kind}")
+        if search.ranked(cfg, origins, bigger).fitting:
+            return (f"--cluster {cluster.name}: {where} by the analytic estimate ({valid} valid "
+                    f"layouts); the smallest {cluster.kind} cluster where one does is about "
+                    f"--cluster {bigger.name}, or lower data.global_batch_size / shard the "
+                    "replicated state (mesh.rules)")
+    return (f"--cluster {cluster.name}: {where} ({valid} valid layouts), nor on "
+            f"{hosts}x as many hosts; lower data.seq_len or data.global_batch_size")
 
 
 def fix_hint(best: dict, cluster: Cluster) -> str:

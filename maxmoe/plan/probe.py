@@ -74,13 +74,13 @@ def state_parts(abstract_state) -> dict[str, int]:
 
 def replicated_leaves(abstract_state, devices: int) -> list[tuple[str, int]]:
     """(path, bytes per device) of state leaves that no mesh axis shards, largest first
-    (scalars and leaves under 1 KiB left out); empty on one device."""
+    (scalars left out: the step, counters); empty on one device."""
     if devices == 1:
         return []
     out = []
     for path, a in jax.tree_util.tree_leaves_with_path(abstract_state):
         full = math.prod(a.shape) * a.dtype.itemsize
-        if full >= 1024 and a.sharding.shard_shape(a.shape) == tuple(a.shape):
+        if a.shape and a.sharding.shard_shape(a.shape) == tuple(a.shape):
             out.append((jax.tree_util.keystr(path, simple=True, separator="/"), full))
     return sorted(out, key=lambda x: -x[1])
 
