@@ -55,6 +55,16 @@ def memory_analysis(compiled) -> dict[str, int]:
     return out
 
 
+def memory_line(memory: dict[str, int]) -> str:
+    """The one-line account of memory_analysis' figures that `maxmoe bench` and `maxmoe train
+    --dry-run` print: peak = arguments + outputs - aliased + temporaries, GiB per device."""
+    gib = 2.0**30
+    return (f"memory/device  peak {memory['peak_bytes'] / gib:.3f} GiB = arguments "
+            f"{memory['argument_bytes'] / gib:.3f} + outputs {memory['output_bytes'] / gib:.3f} "
+            f"- aliased {memory['alias_bytes'] / gib:.3f} + temporaries "
+            f"{memory['temp_bytes'] / gib:.3f}")
+
+
 def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int, profile_dir: str = "") -> dict:
     """The figures of one config (see module docstring); profile_dir adds a traced breakdown."""
     return benchmark_interleaved([(cfg, mesh_sizes)], steps=steps, warmup=warmup,

@@ -97,7 +97,7 @@ def run(args) -> int:
         return run_sweep(args)
     cfg, sizes = configure(args.items)
     # late: these import JAX; keeps `maxmoe --help` free of it
-    from maxmoe.bench import PROFILE_STEPS, benchmark
+    from maxmoe.bench import PROFILE_STEPS, benchmark, memory_line
     from maxmoe.metrics.profile import table
     from maxmoe.model.spec import describe_pipeline
 
@@ -115,9 +115,7 @@ def run(args) -> int:
         f"MFU            {100 * r['mfu']:.1f}% of {r['peak_flops']:.3e} FLOP/s ({r['peak_source']})",
     ]
     if "peak_bytes" in r:
-        lines.append(f"memory/device  peak {r['peak_bytes'] / gib:.3f} GiB = arguments "
-                     f"{r['argument_bytes'] / gib:.3f} + outputs {r['output_bytes'] / gib:.3f} "
-                     f"- aliased {r['alias_bytes'] / gib:.3f} + temporaries {r['temp_bytes'] / gib:.3f}")
+        lines.append(memory_line(r))
     if "device_peak_bytes" in r:
         lines.append(f"device peak    {r['device_peak_bytes'] / gib:.3f} GiB in use at most "
                      "(the device's own count)")

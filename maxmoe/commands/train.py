@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 from maxmoe.commands.setup import configure
@@ -16,8 +17,14 @@ Train a model. CONFIG files are YAML presets merged in order; KEY=VALUE override
   maxmoe train configs/tiny.yaml train.steps=500 run.dir=runs/longer mesh.expert=4
 
 The resolved config is written to <run.dir>/config.yaml, metrics to <run.dir>/metrics.jsonl,
-checkpoints to <run.dir>/checkpoints; running the same command again resumes from the newest
-checkpoint."""
+checkpoints to <run.dir>/checkpoints, the plan's figures of the compiled step (memory, traffic,
+roofline step time, cost; see `maxmoe plan`) to <run.dir>/plan.json; running the same command
+again resumes from the newest checkpoint.
+
+--dry-run runs as the whole job (every process and device) but stops after validating and
+compiling the first step from abstract arrays: it prints the memory per device and the plan's
+figures, reads no data, writes nothing (run.dir untouched) and exits 0 when the step fits the
+devices' memory, 1 when it does not. Run it before committing a cluster's hours."""
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: saved on SIGTERM before train.steps; run the command again
 
@@ -26,20 +33,30 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a model from YAML configs", description=USAGE,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("items", nargs="+", metavar="CONFIG_OR_KEY=VALUE")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate and compile on the real devices, print memory and the plan, "
+                        "write nothing; exit 0 if it fits, 1 if not")
+    p.add_argument("--cluster", default="", metavar="CLUSTER",
+                   help="price the plan with this configs/cluster/ file or COUNTxKIND's device "
+                        "figures (default: the kind of the devices present)")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     """Trains to train.steps; prints one JSON summary (process 0). Exit 0, or EXIT_PREEMPTED
-    when SIGTERM stopped it after a save."""
+    when SIGTERM stopped it after a save. --dry-run: exit 0 when the step fits, 1 when not."""
+    # the dry run validates the data keys too (no data is read): the real run will need them
     cfg, sizes = configure(args.items, reads_data=True)
-    # late: JAX and the training loop; keeps `maxmoe --help` free of them
+    # late: JAX, the training loop and the planner; keeps `maxmoe --help` free of them
     import jax
 
+    from maxmoe.plan.live import dry_run
     from maxmoe.train.loop import train
 
+    if args.dry_run:
+        return dry_run(cfg, sizes, args.cluster, sys.stdout)
     t = time.perf_counter()
-    summary = train(cfg, sizes)
+    summary = train(cfg, sizes, cluster=args.cluster)
     summary["wall_time_s"] = round(time.perf_counter() - t, 1)
     if jax.process_index() == 0:  # one summary per job, like the logs and metrics
         print(json.dumps(summary))

@@ -76,16 +76,17 @@ def compile_layout(items: list[str], cluster: Cluster, timeout_s: float, out: Te
         return None
 
 
-def describe(best: dict, cluster: Cluster, out: TextIO) -> None:
+def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> None:
     """The best layout's figures in words: memory by part, buffers, replication, traffic, time,
-    cost."""
+    cost. `title` heads them (the dry run's figures are its own layout's, on real devices)."""
     m = best["memory_by_part"]
     say = lambda text: print(text, file=out)  # noqa: E731
-    say(f"\nbest: {mesh_text(best['mesh'])}, remat {best['remat']}, "
+    say(f"\n{title}: {mesh_text(best['mesh'])}, remat {best['remat']}, "
         f"{best['microbatches']} microbatch(es); compiled in {best['compile_s']} s "
         f"({best['wall_s']} s with its process)")
-    say("  compiled with the GPU's kernels where XLA:CPU has them, else: " + "; ".join(
-        f"{k}={v} ({why})" for k, (v, why) in GPU_STAND_INS.items()))
+    if best["stand_ins"]:  # fake CPU devices (maxmoe plan); a dry run compiles the real kernels
+        say("  compiled with the GPU's kernels where XLA:CPU has them, else: " + "; ".join(
+            f"{k}={v} ({why})" for k, (v, why) in GPU_STAND_INS.items()))
     verdict = "fits" if best["fits"] else "does NOT fit"
     say(f"  memory per device: parameters {m['parameters'] / GIB:.2f} GiB, optimizer state "
         f"{m['optimizer_state'] / GIB:.2f} GiB, batch {m['batch'] / GIB:.3f} GiB; temporaries "

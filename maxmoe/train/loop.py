@@ -41,6 +41,7 @@ from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.flops import peak_flops
 from maxmoe.metrics.host import HostTiming
 from maxmoe.metrics.writers import MetricsWriter
+from maxmoe.plan.live import live_cluster, write_plan
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
@@ -153,8 +154,10 @@ def _resume(ckpt: Checkpointer, trainer, dataset, layout: dict, config_json: dic
     return state, start, data_iter, resume_s
 
 
-def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
-    """Trains to cfg.train.steps (resuming from the run directory); returns a summary."""
+def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
+    """Trains to cfg.train.steps (resuming from the run directory); returns a summary.
+    cluster: the --cluster spec that prices <run.dir>/plan.json (default: the devices' kind)."""
+    plan_cluster = live_cluster(cluster)  # a bad spec fails before the run dir is made
     run_dir = _open_run_dir(cfg)
     tokenizer = _load_tokenizer(cfg)
     dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
@@ -179,6 +182,8 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
     writer = MetricsWriter(run_dir, total_steps=total, start_step=start,
                            enabled=jax.process_index() == 0, progress_bar=cfg.logging.progress_bar)
     loop = _Loop(setup, ckpt, data_iter, preemption, LogWindow(setup, peak, HostTiming()))
+    if jax.process_index() == 0:
+        loop.plan = (run_dir / "plan.json", plan_cluster)
     loop.hooks += [
         *([Hook(cfg.train.eval_every_steps, loop.evaluator(tokenizer), reads_state=True)]
           if cfg.train.eval_every_steps else []),
@@ -188,7 +193,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int]) -> dict:
              loop.saver(config_json, layout), at_end=True, reads_state=True),
     ]
     summary = {"start_step": start, "first_loss": None, "preempted": False, "resume_s": resume_s,
-               "save_blocking_s": loop.save_blocking_s}
+               "save_blocking_s": loop.save_blocking_s, "plan_json_s": None}
     try:
         final_step = loop.run(state, start, summary)
     finally:
@@ -216,6 +221,7 @@ class _Loop:
         self.hooks: list[Hook] = []
         self.save_blocking_s: list[float] = []
         self.t0 = 0.0  # when the loop started: the first step's compile time counts from it
+        self.plan = None  # (path, cluster or None): where process 0 writes the plan's figures
 
     def evaluator(self, tokenizer) -> Callable[[StepEnd], None]:
         """The eval hook: the validation loss of the step's state into `event.extra`."""
@@ -272,17 +278,21 @@ class _Loop:
         return self.window.started is None or any(
             h.reads_state and h.due(done, False) for h in self.hooks)
 
-    def compile_together(self, state, batch) -> None:
-        """With several processes: compiles the step, then waits until every process has
-        compiled it. Their first collective must meet within Gloo's fixed 30 s on CPU, less
-        than the compile-time skew of a loaded host (distributed.py). The step's jit call then
-        finds the executable in JAX's cache."""
-        if jax.process_count() == 1:
-            return
+    def compile_first(self, state, batch, summary: dict) -> None:
+        """Compiles the step ahead of its first call (the jit call then finds the executable in
+        JAX's cache: no second compile), writes plan.json from it (process 0), and with several
+        processes waits until every one has compiled: their first collective must meet within
+        Gloo's fixed 30 s on CPU, less than the compile-time skew of a loaded host."""
+        t = time.perf_counter()
         with use_mesh(self.trainer.mesh, self.trainer.rules):
-            self.trainer.jitted_step.lower(state, batch).compile()
-        wait_for_processes("maxmoe_first_step_compiled",
-                           self.setup.cfg.distributed.initialization_timeout_s)
+            compiled = self.trainer.jitted_step.lower(state, batch).compile()
+        if self.plan is not None:
+            path, cluster = self.plan
+            summary["plan_json_s"] = round(
+                write_plan(path, self.setup, compiled, cluster, time.perf_counter() - t), 3)
+        if jax.process_count() > 1:
+            wait_for_processes("maxmoe_first_step_compiled",
+                               self.setup.cfg.distributed.initialization_timeout_s)
 
     def next_batch(self):
         return global_batch(self.timing.next_batch(self.data_iter), self.trainer.batch_sharding)
@@ -296,7 +306,7 @@ class _Loop:
         total, trainer, timing = self.setup.cfg.train.steps, self.trainer, self.timing
         self.t0 = time.perf_counter()
         step, batch, pending = start, self.next_batch(), None
-        self.compile_together(state, batch)
+        self.compile_first(state, batch, summary)
         while step < total:  # a guard rollback moves `step` back
             if batch is None:
                 batch = self.next_batch()

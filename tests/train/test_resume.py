@@ -9,6 +9,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from jax import monitoring
 
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
@@ -16,6 +17,7 @@ from maxmoe.train.loop import train
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import validate
 from tests.helpers import small_config
+from tests.plan.test_dry_run import CONTRACT
 
 COMMON = ["model.vocab_size=512", "mesh.fsdp=2", "mesh.expert=2", "optimizer.warmup_steps=2",
           "optimizer.decay_steps=10", "checkpoint.every_steps=3", "logging.every_steps=1",
@@ -39,7 +41,20 @@ def _final_state(cfg, sizes, tmp_path, name):
 @pytest.mark.slow
 def test_restart_is_bit_identical(tmp_path, monkeypatch):
     monkeypatch.setenv("MAXMOE_CACHE", str(tmp_path / "cache"))
-    cfg, sizes, straight = _run(tmp_path, "straight", 6)
+    lowered = []  # the loop compiles the step ahead of its first call for plan.json: once
+
+    def count(event, _, fun_name="", **__):
+        lowered.extend([fun_name] if "mlir_module" in event else [])
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        cfg, sizes, straight = _run(tmp_path, "straight", 6)
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert lowered.count("jit(train_step)") == 1, lowered
+    plan = json.loads((tmp_path / "straight" / "plan.json").read_text())
+    assert CONTRACT <= set(plan), CONTRACT - set(plan)
+    assert plan["fits"] is True and plan["mesh"]["fsdp"] == 2 and plan["devices"] == 8
+    assert straight["plan_json_s"] is not None
     _, _, first = _run(tmp_path, "resumed", 3)
     _, _, second = _run(tmp_path, "resumed", 6)
     assert (first["final_step"], second["start_step"], second["final_step"]) == (3, 3, 6)
