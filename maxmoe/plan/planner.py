@@ -37,7 +37,7 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
         print(f"search: {len(layouts.all)} layouts pass validation; {len(layouts.fitting)} fit "
               f"by the analytic estimate; compiling the best {min(top, len(layouts.fitting))}",
               file=out)
-        candidates = [(overrides + e.layout.overrides(), e) for e in layouts.fitting[:top]]
+        candidates = [(overrides + e.layout.overrides(), e) for e in layouts.to_compile(top)]
     else:
         validate(cfg, cluster.devices, origins, cluster.hosts)  # one line, before compiling
         candidates = [(overrides, None)]

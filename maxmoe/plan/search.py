@@ -147,6 +147,23 @@ class Ranking:
     all: list[Estimate]  # every valid layout, estimated
     fitting: list[Estimate]  # those estimated to fit, fastest first
 
+    def to_compile(self, n: int) -> list[Estimate]:
+        """The n layouts to compile: the best of each kind of layout first (pipelined or not,
+        then each expert-axis size), then the rest by rank, so one family the estimate
+        misjudges cannot take every compile."""
+        chosen: list[Estimate] = []
+        for family in (lambda e: e.layout.sizes["pipeline"] > 1,
+                       lambda e: e.layout.sizes["expert"]):
+            seen = set()
+            for e in self.fitting:
+                if family(e) not in seen:
+                    seen.add(family(e))
+                    if e not in chosen:
+                        chosen.append(e)
+        picked = chosen[:n]
+        picked += [e for e in self.fitting if e not in picked][:n - len(picked)]
+        return sorted(picked, key=self.fitting.index)
+
 
 def tokens_per_device(cfg: Config, sizes: dict[str, int], microbatches: int) -> float:
     """Rows x sequence one device processes per microbatch (batch split over its shards)."""
