@@ -10,6 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxmoe.sharding import mesh_platform
+
 
 def attention_mask(segment_ids: jax.Array, lo: int = 0, hi: int | None = None) -> jax.Array:
     """[B, S] segment ids -> [B, 1, 1, hi - lo, hi] bool for queries lo:hi against keys :hi
@@ -140,7 +142,7 @@ def fused_attention(q, k, v, segment_ids, scale: float | None = None):
     triangle; the document mask rides along as a [B, 1, S, T] mask), XLA elsewhere. scale:
     the softmax scale (default Dh^-0.5). The kernel takes one head dim for q, k and v, so a
     narrower v (MLA: Dv < Dn + R) is padded with zero columns, whose outputs are 0 and dropped."""
-    impl = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
+    impl = "cudnn" if mesh_platform() == "gpu" else "xla"  # the mesh's devices, not the host's
     same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     dh, dv = q.shape[-1], v.shape[-1]
     if dv < dh:
