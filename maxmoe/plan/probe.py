@@ -31,6 +31,7 @@ import numpy as np
 
 from maxmoe.bench import memory_analysis
 from maxmoe.config import ConfigError, load_config
+from maxmoe.kernels.attention import cudnn_takes
 from maxmoe.model.spec import pipeline_schedule
 from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
@@ -49,7 +50,8 @@ GPU_STAND_INS = {
                                            "blocks keep [B, H, block, S] scores, not S x S"),
 }
 # key -> value compiled by `--compiler gpu`: the kernels a GPU run uses (grouped GEMM, cuDNN
-# flash attention; `fused` picks cuDNN because the mesh's devices are GPUs).
+# flash attention; `fused` picks cuDNN because the mesh's devices are GPUs). Attention stays as
+# configured where cuDNN cannot take it (gpu_attention_kept), as it would in a GPU run.
 GPU_KERNELS = {"moe.grouped_matmul": "ragged_dot", "attention.implementation": "fused"}
 COMPILERS = ("cpu", "gpu")
 TOP_BUFFERS = 8
@@ -149,6 +151,16 @@ def stand_in_overrides(compiler: str = "cpu") -> list[str]:
     return [f"{key}={value}" for key, (value, _) in GPU_STAND_INS.items()]
 
 
+def gpu_attention_kept(cfg) -> str:
+    """Why `--compiler gpu` keeps the config's attention instead of GPU_KERNELS' cuDNN one
+    ("" when cuDNN takes the config's compute dtype and head dim)."""
+    a = cfg.attention
+    head_dim = (max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if a.kind == "mla"
+                else a.head_dim)
+    why = cudnn_takes(cfg.precision.compute_dtype, head_dim)
+    return why
+
+
 def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
             compiler: str = "cpu", kind: str = "") -> dict:
     """Figures of one layout (module docstring); runs in the probe's own process, whose fake
@@ -158,11 +170,18 @@ def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
     cfg, origins = load_config(files, [*overrides, *stand_in_overrides(compiler)])
+    kept = gpu_attention_kept(cfg) if compiler == "gpu" else ""
+    if kept:  # cuDNN cannot take this attention: the config's own implementation, as a run
+        gemm = [o for o in stand_in_overrides(compiler) if not o.startswith("attention.")]
+        cfg, origins = load_config(files, [*overrides, *gemm])
     if compiler == "gpu":
         target, note = gpu_aot.cluster_target(kind)
         mesh_devices = gpu_aot.gpu_devices(devices, target, hosts)
         kernels = {"compiler": "gpu", "gpu_target": target, "gpu_target_note": note,
-                   "kernels": dict(GPU_KERNELS)}
+                   "kernels": {"moe.grouped_matmul": cfg.moe.grouped_matmul,
+                               "attention.implementation": cfg.attention.implementation},
+                   "attention_note": kept and f"{kept}: the config's attention."
+                                             f"implementation={cfg.attention.implementation}"}
     else:
         jax.config.update("jax_num_cpu_devices", devices)
         mesh_devices = None
@@ -201,6 +220,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
         "replicated_state_bytes": sum(b for _, b in replicated),
         "replicated": replicated[:20],
         "largest_buffers": largest_buffers(hlo),
+        "cudnn_attention_calls": hlo.count("custom_call_target=\"__cudnn$fmha"),
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
         "tokens_per_step": setup.tokens_per_step,

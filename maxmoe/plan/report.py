@@ -61,6 +61,8 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
         "gpu_target": measured.get("gpu_target"),
         "gpu_target_note": measured.get("gpu_target_note"),
         "kernels": measured.get("kernels", {}),
+        "cudnn_attention_calls": measured.get("cudnn_attention_calls", 0),
+        "attention_note": measured.get("attention_note", ""),
     }
 
 

@@ -69,15 +69,17 @@ def test_fused_attention_picks_cudnn_only_on_a_gpu_mesh(monkeypatch):
         return args[0]
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", record)
-    q = jnp.ones((1, 4, 2, 8))
+    q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
     seg = jnp.ones((1, 4), jnp.int32)
     attention.fused_attention(q, q, q, seg)  # no mesh: jax.devices(), CPUs here
     token = sharding._MESH.set(_gpu_mesh())
     try:
         attention.fused_attention(q, q, q, seg)
+        q32 = q.astype(jnp.float32)  # cuDNN takes no float32: XLA even on GPUs
+        attention.fused_attention(q32, q32, q32, seg)
     finally:
         sharding._MESH.reset(token)
-    assert picked == ["xla", "cudnn"]
+    assert picked == ["xla", "cudnn", "xla"]
 
 
 def test_gpu_compiler_rejects_kinds_without_a_target():
