@@ -157,8 +157,7 @@ def gpu_attention_kept(cfg) -> str:
     a = cfg.attention
     head_dim = (max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if a.kind == "mla"
                 else a.head_dim)
-    why = cudnn_takes(cfg.precision.compute_dtype, head_dim)
-    return why
+    return cudnn_takes(cfg.precision.compute_dtype, head_dim)
 
 
 def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
