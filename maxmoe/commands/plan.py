@@ -22,7 +22,8 @@ CLUSTER is a file under configs/cluster/ (e.g. deepseek_v3_h800) or COUNTxKIND b
 configs/devices/KIND.yaml (h800, h100, h200, b200, cpu). --search considers every mesh (and host
 split, remat policy and microbatches) that passes validation, ranks them by an analytic
 estimate and compiles the best --top of them. The last line is one JSON object; --write FILE
-saves the best layout as a config to pass after the model's."""
+saves the best layout as a config to pass after the model's. --compiler gpu compiles with
+XLA:GPU's own deviceless compile instead (jax's CUDA plugin, no GPU needed; docs/gpu_aot.md)."""
 
 
 def add_parser(subparsers) -> None:
@@ -36,6 +37,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--search", action="store_true", help="search the layouts, compile the best")
     p.add_argument("--top", type=int, default=4, help="--search: layouts compiled (default 4)")
     p.add_argument("--write", metavar="FILE", default="", help="save the best layout as a config")
+    p.add_argument("--compiler", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu: XLA:CPU on fake devices (default); gpu: XLA:GPU on deviceless "
+                        "GPUs of the cluster's kind (h100/h800/h200; needs jax[cuda12])")
     p.add_argument("--timeout", type=float, default=900,
                    help="seconds one compile may take (default 900)")
     p.set_defaults(run=run)
@@ -48,6 +52,7 @@ def run(args) -> int:
     from maxmoe.plan.planner import plan
 
     result = plan(args.items, args.cluster, tokens=args.tokens, search_layouts=args.search,
-                  top=args.top, write=args.write, timeout_s=args.timeout, out=sys.stdout)
+                  top=args.top, write=args.write, timeout_s=args.timeout, compiler=args.compiler,
+                  out=sys.stdout)
     print(json.dumps(result["best"]))
     return 0 if result["best"]["fits"] else 1

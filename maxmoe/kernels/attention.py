@@ -10,6 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxmoe.sharding import mesh_platform
+
 
 def attention_mask(segment_ids: jax.Array, lo: int = 0, hi: int | None = None) -> jax.Array:
     """[B, S] segment ids -> [B, 1, 1, hi - lo, hi] bool for queries lo:hi against keys :hi
@@ -134,13 +136,26 @@ def _attention_bwd(block_size, res, g):
 attention_core.defvjp(_attention_fwd, _attention_bwd)
 
 
+def cudnn_takes(dtype, head_dim: int) -> str:
+    """"" when jax's cuDNN flash attention takes q/k/v of this dtype and (common) head dim,
+    else why not: it takes bfloat16/float16 and head dims <= 128 that are multiples of 8."""
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN attention takes bfloat16/float16, not {jnp.dtype(dtype).name}"
+    if head_dim > 128 or head_dim % 8:
+        return f"cuDNN attention takes head dims <= 128 (multiples of 8), not {head_dim}"
+    return ""
+
+
 def fused_attention(q, k, v, segment_ids, scale: float | None = None):
     """q [B, S, H, Dh], k [B, T, K, Dh], v [B, T, K, Dv] -> [B, S, H, Dv] via
-    jax.nn.dot_product_attention: cuDNN flash attention on GPU (causal skips the upper
-    triangle; the document mask rides along as a [B, 1, S, T] mask), XLA elsewhere. scale:
+    jax.nn.dot_product_attention: cuDNN flash attention on GPU for bfloat16/float16 (causal
+    skips the upper triangle; the document mask rides along as a [B, 1, S, T] mask), XLA
+    elsewhere and for what cuDNN does not take (cudnn_takes). scale:
     the softmax scale (default Dh^-0.5). The kernel takes one head dim for q, k and v, so a
     narrower v (MLA: Dv < Dn + R) is padded with zero columns, whose outputs are 0 and dropped."""
-    impl = "cudnn" if jax.devices()[0].platform == "gpu" else "xla"
+    # cuDNN on the mesh's GPUs (not the host's devices) where it takes the shapes; else XLA
+    cudnn = mesh_platform() == "gpu" and not cudnn_takes(q.dtype, max(q.shape[-1], v.shape[-1]))
+    impl = "cudnn" if cudnn else "xla"
     same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
     dh, dv = q.shape[-1], v.shape[-1]
     if dv < dh:

@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from maxmoe.sharding import mesh_platform
+
 
 def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *,
                    grouped_matmul: str = "auto", block_size: int = 0):
@@ -25,10 +27,11 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     grouped_matmul: "ragged_dot" (lax.ragged_dot over rows sorted by expert), "blocked"
     (rows sorted by expert, each expert padded to whole blocks of block_size rows, then
     `block_expert_mlp`, a loop over the blocks in use: the fast form on XLA:CPU) or "auto"
-    (blocked on CPU, ragged_dot elsewhere).
+    (blocked on CPU, ragged_dot elsewhere; the current mesh's devices decide, see
+    sharding.mesh_platform).
     """
     if grouped_matmul == "auto":  # XLA:CPU lowers ragged_dot densely; GPUs have a grouped GEMM
-        grouped_matmul = "blocked" if jax.devices()[0].platform == "cpu" else "ragged_dot"
+        grouped_matmul = "blocked" if mesh_platform() == "cpu" else "ragged_dot"
     t, k = expert_idx.shape
     n, num_local = t * k, w_gate.shape[0]
     scope = jax.named_scope  # the profile's MoE parts (blocked: no separate combine)

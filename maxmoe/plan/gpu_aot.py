@@ -10,6 +10,8 @@ its CUDA driver check and still registers its topology factory. docs/gpu_aot.md 
 findings and the limits (no autotuning, no cuDNN workspace sizes, kernels' `auto` picks).
 """
 
+import importlib.util
+
 import jax
 from jax.experimental import topologies
 
@@ -27,6 +29,31 @@ TARGETS = {
                  memory_bytes=151_397_597_184, bandwidth=4_800_000_000_000,
                  l2_bytes=52_428_800),
 }
+
+# A cluster's device kind -> (its target in TARGETS, what the substitution means). The H800 is
+# the H100's SM90 chip with the same SMs and HBM and a cut NVLink, which the compile never sees.
+CLUSTER_TARGETS = {"h100": ("h100", ""),
+                   "h800": ("h100", "the H100 target: same SM90 chip and 80 GB HBM, NVLink cut"),
+                   "h200": ("h200", "")}
+
+
+def cluster_target(kind: str) -> tuple[str, str]:
+    """(TARGETS key, note) for a cluster's device kind; ConfigError for a kind without one."""
+    if kind not in CLUSTER_TARGETS:
+        raise ConfigError(f"--compiler gpu: cluster device kind {kind!r} has no GPU target; "
+                          f"--compiler gpu supports {'/'.join(CLUSTER_TARGETS)} (use --compiler "
+                          "cpu for the others)")
+    return CLUSTER_TARGETS[kind]
+
+
+def require_plugin() -> None:
+    """Raises ConfigError (what to install) when jaxlib's CUDA plugin is not installed, so
+    `maxmoe plan --compiler gpu` stops before any compile."""
+    if importlib.util.find_spec("jax_plugins") is None or \
+            importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise ConfigError(f'--compiler gpu needs the jax CUDA plugin: pip install '
+                          f'"jax[cuda12]=={jax.__version__}" into the python that runs maxmoe '
+                          '(no GPU needed; docs/gpu_aot.md)')
 
 
 def target_config(kind: str) -> str:

@@ -8,25 +8,29 @@ import math
 from typing import TextIO
 
 from maxmoe.config import ConfigError, load_config
-from maxmoe.plan import search
+from maxmoe.plan import gpu_aot, search
 from maxmoe.plan.cluster import Cluster, load_cluster
 from maxmoe.plan.collectives import CommBytes, summarize
-from maxmoe.plan.probe import GPU_STAND_INS, ProbeFailed, run_probe
+from maxmoe.plan.probe import COMPILERS, GPU_STAND_INS, ProbeFailed, run_probe
 from maxmoe.plan.report import GIB, mesh_text, plan_figures, table, write_config
 from maxmoe.plan.roofline import parse_tokens
 from maxmoe.validation import validate
 
 
 def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layouts: bool = False,
-         top: int = 4, write: str = "", timeout_s: float = 900, out: TextIO) -> dict:
-    """Plans `items` (config files and KEY=VALUE overrides) on the cluster; returns {"rows":
-    figures of every compiled layout, best first, "best": rows[0]}. Raises ConfigError on bad
-    input, before any compile."""
+         top: int = 4, write: str = "", timeout_s: float = 900, compiler: str = "cpu",
+         out: TextIO) -> dict:
+    """Plans `items` (config files and KEY=VALUE overrides) on the cluster, compiling with
+    XLA:CPU on fake devices or XLA:GPU on deviceless GPUs (`compiler`, probe.py); returns
+    {"rows": figures of every compiled layout, best first, "best": rows[0]}. Raises
+    ConfigError on bad input (a kind without a GPU target, no CUDA plugin), before any
+    compile."""
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
     cfg, origins = load_config(files, overrides)
     cluster = load_cluster(cluster_spec)
     token_count = parse_tokens(tokens) if tokens else None
+    check_compiler(compiler, cluster)
     print(f"plan: {', '.join(files)} on {cluster.name} ({cluster.devices} x {cluster.kind}, "
           f"{cluster.hosts} hosts of {cluster.devices_per_host}; {cluster.memory_gib:.1f} GiB, "
           f"{cluster.usable_bytes / GIB:.1f} GiB usable per device)", file=out)
@@ -43,7 +47,7 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
         candidates = [(overrides, None)]
     rows = []
     for extra, estimate in candidates:
-        measured = compile_layout(files + extra, cluster, timeout_s, out)
+        measured = compile_layout(files + extra, cluster, timeout_s, out, compiler)
         if measured is None:
             continue
         figures = plan_figures(measured, cluster, tokens=token_count, steps=cfg.train.steps)
@@ -65,12 +69,23 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
     return {"rows": rows, "best": rows[0]}
 
 
-def compile_layout(items: list[str], cluster: Cluster, timeout_s: float, out: TextIO) -> dict | None:
+def check_compiler(compiler: str, cluster: Cluster) -> None:
+    """ConfigError unless `compiler` can compile for the cluster here: "cpu" always; "gpu"
+    needs a GPU target for the cluster's kind and jax's CUDA plugin installed."""
+    if compiler not in COMPILERS:
+        raise ConfigError(f"--compiler {compiler!r}: unknown; use one of {', '.join(COMPILERS)}")
+    if compiler == "gpu":
+        gpu_aot.cluster_target(cluster.kind)
+        gpu_aot.require_plugin()
+
+
+def compile_layout(items: list[str], cluster: Cluster, timeout_s: float, out: TextIO,
+                   compiler: str = "cpu") -> dict | None:
     """probe.run_probe on the cluster's device count; a failed compile prints one line and
     returns None (an invalid layout raises ConfigError)."""
     try:
         return run_probe(items, cluster.devices, cluster.hosts, cluster.devices_per_host,
-                         timeout_s)
+                         timeout_s, compiler, cluster.kind)
     except ProbeFailed as e:
         print(f"plan: skipped a layout: {e}", file=out)
         return None
@@ -84,9 +99,8 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
     say(f"\n{title}: {mesh_text(best['mesh'])}, remat {best['remat']}, "
         f"{best['microbatches']} microbatch(es); compiled in {best['compile_s']} s "
         f"({best['wall_s']} s with its process)")
-    if best["stand_ins"]:  # fake CPU devices (maxmoe plan); a dry run compiles the real kernels
-        say("  compiled with the GPU's kernels where XLA:CPU has them, else: " + "; ".join(
-            f"{k}={v} ({why})" for k, (v, why) in GPU_STAND_INS.items()))
+    if best.get("compiler") == "gpu" or best["stand_ins"]:  # a dry run compiles the real kernels
+        say("  " + compiler_text(best))
     verdict = "fits" if best["fits"] else "does NOT fit"
     say(f"  memory per device: parameters {m['parameters'] / GIB:.2f} GiB, optimizer state "
         f"{m['optimizer_state'] / GIB:.2f} GiB, batch {m['batch'] / GIB:.3f} GiB; temporaries "
@@ -138,6 +152,20 @@ def fits_nowhere(cfg, origins: dict[str, str], cluster: Cluster, valid: int) -> 
                     "replicated state (mesh.rules)")
     return (f"--cluster {cluster.name}: {where} ({valid} valid layouts), nor on "
             f"{hosts}x as many hosts; lower data.seq_len or data.global_batch_size")
+
+
+def compiler_text(best: dict) -> str:
+    """Which compiler produced the figures, with which kernels (the stand-ins on XLA:CPU)."""
+    if best.get("compiler") == "gpu":
+        note = f" ({best['gpu_target_note']})" if best.get("gpu_target_note") else ""
+        calls = best.get("cudnn_attention_calls", 0)
+        attn = (f"{calls} cuDNN flash-attention calls" if calls else
+                best.get("attention_note") or "no cuDNN attention")
+        return (f"compiled by XLA:GPU for deviceless {best['gpu_target'].upper()}s{note}, with "
+                "the GPU's kernels: " + ", ".join(f"{k}={v}" for k, v in best["kernels"].items())
+                + f" ({attn}); no autotuning, cuDNN workspaces not counted (docs/gpu_aot.md)")
+    return ("compiled by XLA:CPU on fake devices, with the GPU's kernels where XLA:CPU has them, "
+            "else: " + "; ".join(f"{k}={v} ({why})" for k, (v, why) in GPU_STAND_INS.items()))
 
 
 def fix_hint(best: dict, cluster: Cluster) -> str:

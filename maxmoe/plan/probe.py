@@ -8,8 +8,11 @@ device, the state's bytes per device by part (read from the abstract shardings),
 leaves no mesh axis shards, the largest buffers of the compiled program, and the collective
 bytes per step (collectives.py).
 
-Where a CPU compile differs from the GPU's, the probe compiles the GPU's choice where XLA:CPU
-can, and otherwise the closest form XLA:CPU compiles (GPU_STAND_INS says which and why).
+compiler "cpu" (the default) compiles with XLA:CPU on fake CPU devices: where a CPU compile
+differs from the GPU's, the probe compiles the GPU's choice where XLA:CPU can, and otherwise the
+closest form XLA:CPU compiles (GPU_STAND_INS says which and why). compiler "gpu" compiles with
+XLA:GPU on deviceless GPUs of the cluster's kind (gpu_aot.py; needs jax's CUDA plugin) and the
+GPU's own kernels (GPU_KERNELS).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import numpy as np
 
 from maxmoe.bench import memory_analysis
 from maxmoe.config import ConfigError, load_config
+from maxmoe.kernels.attention import cudnn_takes
 from maxmoe.model.spec import pipeline_schedule
+from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
@@ -44,6 +49,11 @@ GPU_STAND_INS = {
     "attention.implementation": ("einsum", "XLA:CPU has no flash attention; causal query "
                                            "blocks keep [B, H, block, S] scores, not S x S"),
 }
+# key -> value compiled by `--compiler gpu`: the kernels a GPU run uses (grouped GEMM, cuDNN
+# flash attention; `fused` picks cuDNN because the mesh's devices are GPUs). Attention stays as
+# configured where cuDNN cannot take it (gpu_attention_kept), as it would in a GPU run.
+GPU_KERNELS = {"moe.grouped_matmul": "ragged_dot", "attention.implementation": "fused"}
+COMPILERS = ("cpu", "gpu")
 TOP_BUFFERS = 8
 _SHAPE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -136,27 +146,56 @@ def abstract_batch(cfg, sharding) -> dict:
     return {k: jax.ShapeDtypeStruct(shape, d, sharding=sharding) for k, d in dtypes.items()}
 
 
-def stand_in_overrides() -> list[str]:
-    """The KEY=VALUE overrides GPU_STAND_INS applies after the user's own."""
+def stand_in_overrides(compiler: str = "cpu") -> list[str]:
+    """The KEY=VALUE overrides applied after the user's own: GPU_STAND_INS for XLA:CPU,
+    GPU_KERNELS for XLA:GPU."""
+    if compiler == "gpu":
+        return [f"{key}={value}" for key, value in GPU_KERNELS.items()]
     return [f"{key}={value}" for key, (value, _) in GPU_STAND_INS.items()]
 
 
-def measure(items: list[str], devices: int, hosts: int, devices_per_host: int) -> dict:
+def gpu_attention_kept(cfg) -> str:
+    """Why `--compiler gpu` keeps the config's attention instead of GPU_KERNELS' cuDNN one
+    ("" when cuDNN takes the config's compute dtype and head dim)."""
+    a = cfg.attention
+    head_dim = (max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if a.kind == "mla"
+                else a.head_dim)
+    return cudnn_takes(cfg.precision.compute_dtype, head_dim)
+
+
+def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
+            compiler: str = "cpu", kind: str = "") -> dict:
     """Figures of one layout (module docstring); runs in the probe's own process, whose fake
-    CPU device count it sets. Raises ConfigError before compiling when the layout is invalid."""
+    CPU device count it sets (compiler "cpu"), or on `devices` deviceless GPUs of the cluster's
+    device `kind` (compiler "gpu"). Raises ConfigError before compiling when the layout is
+    invalid or the GPU target or plugin is missing."""
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
-    cfg, origins = load_config(files, [*overrides, *stand_in_overrides()])
-    jax.config.update("jax_num_cpu_devices", devices)
+    cfg, origins = load_config(files, [*overrides, *stand_in_overrides(compiler)])
+    kept = gpu_attention_kept(cfg) if compiler == "gpu" else ""
+    if kept:  # cuDNN cannot take this attention: the config's own implementation, as a run
+        gemm = [o for o in stand_in_overrides(compiler) if not o.startswith("attention.")]
+        cfg, origins = load_config(files, [*overrides, *gemm])
+    if compiler == "gpu":
+        target, note = gpu_aot.cluster_target(kind)
+        mesh_devices = gpu_aot.gpu_devices(devices, target, hosts)
+        kernels = {"compiler": "gpu", "gpu_target": target, "gpu_target_note": note,
+                   "kernels": {"moe.grouped_matmul": cfg.moe.grouped_matmul,
+                               "attention.implementation": cfg.attention.implementation},
+                   "attention_note": kept and f"{kept}: the config's attention."
+                                             f"implementation={cfg.attention.implementation}"}
+    else:
+        jax.config.update("jax_num_cpu_devices", devices)
+        mesh_devices = None
+        kernels = {"compiler": "cpu", "stand_ins": {k: v for k, (v, _) in GPU_STAND_INS.items()}}
     sizes = validate(cfg, devices, origins, hosts)
-    setup = prepare_run(cfg, sizes)
+    setup = prepare_run(cfg, sizes, mesh_devices)
     batch = abstract_batch(cfg, setup.trainer.batch_sharding)
     t = time.perf_counter()
     with use_mesh(setup.trainer.mesh, setup.trainer.rules):
         compiled = setup.trainer.jitted_step.lower(setup.trainer.abstract_state, batch).compile()
     result = compiled_figures(setup, compiled, devices_per_host)
-    result.update(stand_ins={k: v for k, (v, _) in GPU_STAND_INS.items()},
-                  compile_s=round(time.perf_counter() - t, 1))
+    result.update(kernels, compile_s=round(time.perf_counter() - t, 1))
     return result
 
 
@@ -183,6 +222,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
         "replicated_state_bytes": sum(b for _, b in replicated),
         "replicated": replicated[:20],
         "largest_buffers": largest_buffers(hlo),
+        "cudnn_attention_calls": hlo.count("custom_call_target=\"__cudnn$fmha"),
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
         "tokens_per_step": setup.tokens_per_step,
@@ -204,11 +244,12 @@ def child_env() -> dict[str, str]:
 
 
 def run_probe(items: list[str], devices: int, hosts: int, devices_per_host: int,
-              timeout_s: float = 900) -> dict:
+              timeout_s: float = 900, compiler: str = "cpu", kind: str = "") -> dict:
     """measure() in a subprocess. Raises ConfigError for an invalid layout (the child's one
     line), ProbeFailed when the child dies or times out."""
     request = json.dumps({"items": items, "devices": devices, "hosts": hosts,
-                          "devices_per_host": devices_per_host})
+                          "devices_per_host": devices_per_host, "compiler": compiler,
+                          "kind": kind})
     t = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "maxmoe.plan.probe", request],
@@ -230,7 +271,8 @@ def main() -> int:
     request = json.loads(sys.argv[1])
     try:
         result = measure(request["items"], request["devices"], request["hosts"],
-                         request["devices_per_host"])
+                         request["devices_per_host"], request.get("compiler", "cpu"),
+                         request.get("kind", ""))
     except ConfigError as e:
         print(f"maxmoe: error: {e}", file=sys.stderr)
         return 2

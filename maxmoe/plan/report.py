@@ -57,7 +57,12 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
                  f"{cluster.price_date})",
         "checkpoint_bytes": ckpt_bytes, "checkpoint_save_s": ckpt_s,
         "compile_s": measured.get("compile_s"), "wall_s": measured.get("wall_s"),
-        "stand_ins": measured.get("stand_ins", {}),
+        "compiler": measured.get("compiler", "cpu"), "stand_ins": measured.get("stand_ins", {}),
+        "gpu_target": measured.get("gpu_target"),
+        "gpu_target_note": measured.get("gpu_target_note"),
+        "kernels": measured.get("kernels", {}),
+        "cudnn_attention_calls": measured.get("cudnn_attention_calls", 0),
+        "attention_note": measured.get("attention_note", ""),
     }
 
 

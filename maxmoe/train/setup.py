@@ -36,8 +36,10 @@ class RunSetup:
         return describe_pipeline(self.cfg.model, self.mesh_sizes["pipeline"])
 
 
-def prepare_run(cfg: Config, mesh_sizes: dict[str, int]) -> RunSetup:
-    """Builds the mesh (ICI x DCN) and the trainer of a validated config; compiles nothing."""
-    trainer = make_trainer(cfg, make_mesh(mesh_sizes, dcn=dcn_sizes(cfg)))
+def prepare_run(cfg: Config, mesh_sizes: dict[str, int], devices=None) -> RunSetup:
+    """Builds the mesh (ICI x DCN) and the trainer of a validated config; compiles nothing.
+    devices: the mesh's devices (default jax.devices(); `maxmoe plan --compiler gpu` passes
+    deviceless GPUs)."""
+    trainer = make_trainer(cfg, make_mesh(mesh_sizes, devices, dcn=dcn_sizes(cfg)))
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     return RunSetup(cfg, mesh_sizes, trainer, tokens, flops_per_token(cfg) * tokens)

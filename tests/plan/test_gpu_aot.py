@@ -6,7 +6,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import ConfigError
-from maxmoe.plan.gpu_aot import gpu_devices, gpu_memory_analysis, target_config
+from maxmoe.plan.gpu_aot import cluster_target, gpu_devices, gpu_memory_analysis, target_config
+from maxmoe.plan.probe import run_probe
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
 
@@ -52,3 +53,21 @@ def test_hosts_and_errors():
         gpu_devices(6, num_hosts=4)
     with pytest.raises(ConfigError, match="a100"):
         target_config("a100")
+    assert cluster_target("h800")[0] == "h100"  # the same SM90 chip, NVLink cut
+    with pytest.raises(ConfigError, match="h100/h800/h200"):
+        cluster_target("b200")
+
+
+@pytest.mark.slow
+def test_plan_gpu_compiler_end_to_end_matches_cpu_state():
+    """`maxmoe plan --compiler gpu`'s probe on tiny, 8 x H200: XLA:GPU's figures, with the
+    same train state per device as the XLA:CPU compile (the sharding is the same)."""
+    gpu = run_probe(["configs/tiny.yaml"], 8, 1, 8, compiler="gpu", kind="h200")
+    cpu = run_probe(["configs/tiny.yaml"], 8, 1, 8, compiler="cpu")
+    assert (gpu["compiler"], gpu["gpu_target"], cpu["compiler"]) == ("gpu", "h200", "cpu")
+    assert gpu["memory"]["argument_bytes"] == cpu["memory"]["argument_bytes"]
+    assert gpu["state"] == cpu["state"]
+    assert gpu["memory"]["peak_bytes"] >= gpu["memory"]["argument_bytes"]
+    parts = " ".join(b["part"] for b in gpu["largest_buffers"])
+    assert "ragged_dot" in parts and "ragged_dot" not in " ".join(
+        b["part"] for b in cpu["largest_buffers"])  # GPU kernels vs the CPU stand-ins
