@@ -9,15 +9,33 @@ The selection bias is a `RouterBias` variable, not an `nnx.Param`: the optimizer
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import MoEConfig
+from maxmoe.sharding import current_mesh, mesh_axes
 
 
 class RouterBias(nnx.Variable):
     """Per-expert selection bias [E]: non-trainable state, updated outside the optimizer."""
+
+
+def local_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """jax.lax.top_k over the last axis, computed where each token is (a shard_map over the
+    batch axes). XLA's SPMD partitioner does not split a sort by batch: it gathered the whole
+    global batch's scores onto every device (4 x [2048, 4096, 256] float32 in the 671B plan)."""
+    mesh = current_mesh()
+    batch = mesh_axes("batch") if mesh is not None else ()
+    if not batch or x.shape[0] % math.prod(mesh.shape[a] for a in batch):
+        return jax.lax.top_k(x, k)
+    rows = P(batch, *([None] * (x.ndim - 1)))
+    # check_vma off as in parallel/experts.py: under the pipeline's vmap the inference misfires
+    return jax.shard_map(lambda a: tuple(jax.lax.top_k(a, k)), in_specs=rows, out_specs=(rows, rows),
+                         check_vma=False)(x)
 
 
 def group_limited_choice(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
@@ -31,10 +49,10 @@ def group_limited_choice(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
     *lead, e = choice.shape
     grouped = choice.reshape(*lead, cfg.num_groups, e // cfg.num_groups)
     if cfg.router == "sigmoid":
-        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [..., groups]
+        group_score = jnp.sum(local_top_k(grouped, 2)[0], axis=-1)  # [..., groups]
     else:
         group_score = jnp.max(grouped, axis=-1)
-    _, best = jax.lax.top_k(group_score, cfg.groups_per_token)
+    _, best = local_top_k(group_score, cfg.groups_per_token)
     keep = jnp.any(jax.nn.one_hot(best, cfg.num_groups, dtype=jnp.bool_), axis=-2)  # [..., groups]
     return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(choice.shape)
 
@@ -54,7 +72,7 @@ def route(logits: jax.Array, cfg: MoEConfig, bias: jax.Array | None = None):
     choice = scores if bias is None else scores + bias
     if cfg.num_groups > 1:
         choice = group_limited_choice(choice, cfg)
-    _, idx = jax.lax.top_k(choice, cfg.experts_per_token)
+    _, idx = local_top_k(choice, cfg.experts_per_token)
     weights = jnp.take_along_axis(scores, idx, axis=-1)
     if cfg.normalize_top_k:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
