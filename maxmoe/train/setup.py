@@ -40,6 +40,6 @@ def prepare_run(cfg: Config, mesh_sizes: dict[str, int], devices=None) -> RunSet
     """Builds the mesh (ICI x DCN) and the trainer of a validated config; compiles nothing.
     devices: the mesh's devices (default jax.devices(); `maxmoe plan --compiler gpu` passes
     deviceless GPUs)."""
-    trainer = make_trainer(cfg, make_mesh(mesh_sizes, devices, dcn=dcn_sizes(cfg)))
+    trainer = make_trainer(cfg, make_mesh(mesh_sizes, devices=devices, dcn=dcn_sizes(cfg)))
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     return RunSetup(cfg, mesh_sizes, trainer, tokens, flops_per_token(cfg) * tokens)
