@@ -120,8 +120,11 @@ DEFAULT_RULES: dict[str, list[str]] = {
     "expert_mlp": ["tensor"],
     "layers": ["pipeline"],  # stacked layer dim; kept whole where stages do not divide it
     "stage": ["pipeline"],
-    "q_lora": [],
-    "kv_lora": [],
+    # MLA's low-rank dims: their q_b / k_nope / v projections are [rank, heads, head_dim] and
+    # only `heads` is otherwise split (over tensor); on fsdp they stop being whole on every
+    # device (37.8 GiB of 671B's state at ep 64 x fsdp 32, issue 24's plan)
+    "q_lora": ["fsdp"],
+    "kv_lora": ["fsdp"],
 }
 
 
