@@ -34,7 +34,7 @@ from maxmoe.config import ConfigError, load_config
 from maxmoe.kernels.attention import cudnn_takes
 from maxmoe.model.spec import pipeline_schedule
 from maxmoe.plan import gpu_aot
-from maxmoe.plan.collectives import collective_bytes
+from maxmoe.plan.collectives import collective_bytes, dtype_bytes
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
 from maxmoe.validation import validate
@@ -57,9 +57,6 @@ COMPILERS = ("cpu", "gpu")
 TOP_BUFFERS = 8
 _SHAPE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-          "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
-
 
 @dataclass(frozen=True)
 class ProbeFailed(Exception):
@@ -125,7 +122,8 @@ def largest_buffers(hlo_text: str, top: int = TOP_BUFFERS) -> list[dict]:
             skipping = name in fused
             continue
         m = _SHAPE.match(line)
-        if skipping or not m or m.group(2) not in _BYTES or any(k in line for k in _NOT_BUFFERS):
+        if skipping or not m or m.group(2) in ("token", "opaque") or any(
+                k in line for k in _NOT_BUFFERS):
             continue
         dims = [int(d) for d in m.group(3).split(",") if d]
         op = _OP_NAME.search(line)
@@ -133,7 +131,7 @@ def largest_buffers(hlo_text: str, top: int = TOP_BUFFERS) -> list[dict]:
         key = (tuple(dims), m.group(2), part)
         if key not in seen:
             seen.add(key)
-            rows.append({"bytes": math.prod(dims) * _BYTES[m.group(2)], "shape": dims,
+            rows.append({"bytes": int(math.prod(dims) * dtype_bytes(m.group(2))), "shape": dims,
                          "dtype": m.group(2), "part": part})
     return sorted(rows, key=lambda r: -r["bytes"])[:top]
 

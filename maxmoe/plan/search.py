@@ -14,6 +14,9 @@ import dataclasses
 import math
 from collections.abc import Iterator
 
+import jax.numpy as jnp
+import numpy as np
+
 from maxmoe.config import MESH_AXES, Config, ConfigError
 from maxmoe.metrics.flops import flops_per_token
 from maxmoe.model.spec import layer_groups, pipeline_schedule
@@ -165,6 +168,11 @@ class Ranking:
         return sorted(picked, key=self.fitting.index)
 
 
+def compute_bytes(cfg: Config) -> int:
+    """Bytes of one element in the compute dtype (activations, gathered weights)."""
+    return np.dtype(jnp.dtype(cfg.precision.compute_dtype)).itemsize
+
+
 def tokens_per_device(cfg: Config, sizes: dict[str, int], microbatches: int) -> float:
     """Rows x sequence one device processes per microbatch (batch split over its shards)."""
     return cfg.data.global_batch_size * cfg.data.seq_len / shards(cfg, sizes, "batch") / microbatches
@@ -176,7 +184,7 @@ def activation_bytes(cfg: Config, layout: Layout) -> float:
     the logits."""
     m, e, sizes = cfg.model, cfg.moe, layout.sizes
     t = tokens_per_device(cfg, sizes, layout.microbatches)
-    width = 2 if cfg.precision.compute_dtype != "float32" else 4
+    width = compute_bytes(cfg)
     layers = (m.num_layers + m.mtp_depth) / sizes["pipeline"]
     saved = layers * t * m.hidden_size * width * SAVED_PER_LAYER[layout.remat]
     ep = sizes["expert"]
@@ -192,7 +200,7 @@ def comm_bytes(cfg: Config, layout: Layout, params_per_device: int) -> dict:
     combines per MoE layer (forward, remat, backward); tensor all-reduces; data all-reduces."""
     m, sizes = cfg.model, layout.sizes
     t = tokens_per_device(cfg, sizes, 1)
-    width = 2 if cfg.precision.compute_dtype != "float32" else 4
+    width = compute_bytes(cfg)
     moe_layers = sum(n for is_moe, _, n in layer_groups(m) if is_moe) + m.mtp_depth
     f, ep, tp, dp = sizes["fsdp"], sizes["expert"], sizes["tensor"], sizes["data"]
     elements = params_per_device / 4
@@ -214,7 +222,9 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     """The analytic figures of one layout given its StateBytes."""
     act = activation_bytes(cfg, layout)
     temporaries = int(state.grads + act + UPDATE_COPIES * state.largest_param)
-    batch = cfg.data.global_batch_size * cfg.data.seq_len * 20 // shards(cfg, layout.sizes, "batch")
+    batch_keys = 5  # tokens, targets, segment_ids, positions (int32), loss_mask (float32)
+    batch = (cfg.data.global_batch_size * cfg.data.seq_len * 4 * batch_keys
+             // shards(cfg, layout.sizes, "batch"))
     peak = state.total + batch + temporaries
     flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
     bubble = pipeline_schedule(cfg.model, layout.sizes["pipeline"]).bubble
