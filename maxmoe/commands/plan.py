@@ -21,7 +21,8 @@ roofline step time, MFU, and the cost of --tokens (or train.steps). Examples:
 CLUSTER is a file under configs/cluster/ (e.g. deepseek_v3_h800) or COUNTxKIND built from
 configs/devices/KIND.yaml (h800, h100, h200, b200, cpu). --search considers every mesh (and host
 split, remat policy and microbatches) that passes validation, ranks them by an analytic
-estimate and compiles the best --top of them. The last line is one JSON object; --write FILE
+estimate and compiles the best --top of them (--ignore-memory: the fastest, fitting or not,
+to weigh a layout that fits against). The last line is one JSON object; --write FILE
 saves the best layout as a config to pass after the model's. --compiler gpu compiles with
 XLA:GPU's own deviceless compile instead (jax's CUDA plugin, no GPU needed; docs/gpu_aot.md)."""
 
@@ -36,6 +37,9 @@ def add_parser(subparsers) -> None:
                                                 "train.steps x the global batch)")
     p.add_argument("--search", action="store_true", help="search the layouts, compile the best")
     p.add_argument("--top", type=int, default=4, help="--search: layouts compiled (default 4)")
+    p.add_argument("--ignore-memory", action="store_true",
+                   help="--search: rank by step time alone, fitting or not (the fastest layout's "
+                        "cost, to weigh a layout that fits against)")
     p.add_argument("--write", metavar="FILE", default="", help="save the best layout as a config")
     p.add_argument("--compiler", choices=("cpu", "gpu"), default="cpu",
                    help="cpu: XLA:CPU on fake devices (default); gpu: XLA:GPU on deviceless "
@@ -53,6 +57,6 @@ def run(args) -> int:
 
     result = plan(args.items, args.cluster, tokens=args.tokens, search_layouts=args.search,
                   top=args.top, write=args.write, timeout_s=args.timeout, compiler=args.compiler,
-                  out=sys.stdout)
+                  ignore_memory=args.ignore_memory, out=sys.stdout)
     print(json.dumps(result["best"]))
     return 0 if result["best"]["fits"] else 1

@@ -19,12 +19,12 @@ from maxmoe.validation import validate
 
 def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layouts: bool = False,
          top: int = 4, write: str = "", timeout_s: float = 900, compiler: str = "cpu",
-         out: TextIO) -> dict:
+         ignore_memory: bool = False, out: TextIO) -> dict:
     """Plans `items` (config files and KEY=VALUE overrides) on the cluster, compiling with
     XLA:CPU on fake devices or XLA:GPU on deviceless GPUs (`compiler`, probe.py); returns
     {"rows": figures of every compiled layout, best first, "best": rows[0]}. Raises
     ConfigError on bad input (a kind without a GPU target, no CUDA plugin), before any
-    compile."""
+    compile. ignore_memory: --search ranks and orders every layout by step time alone."""
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
     cfg, origins = load_config(files, overrides)
@@ -36,6 +36,8 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
           f"{cluster.usable_bytes / GIB:.1f} GiB usable per device)", file=out)
     if search_layouts:
         layouts = search.ranked(cfg, origins, cluster)
+        if ignore_memory:
+            layouts = layouts.ignoring_memory()
         if not layouts.fitting:
             raise ConfigError(fits_nowhere(cfg, origins, cluster, len(layouts.all)))
         print(f"search: {len(layouts.all)} layouts pass validation; {len(layouts.fitting)} fit "
@@ -59,7 +61,7 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
     if not rows:
         raise ConfigError(f"no layout of {', '.join(files)} compiled on {cluster.name}; see the "
                           "lines above")
-    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"]))
+    rows.sort(key=lambda r: (not (r["fits"] or ignore_memory), r["step_time_s"]))
     print(table(rows), file=out)
     describe(rows[0], cluster, out)
     if write:

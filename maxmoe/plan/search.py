@@ -167,6 +167,11 @@ class Ranking:
         picked += [e for e in self.fitting if e not in picked][:n - len(picked)]
         return sorted(picked, key=self.fitting.index)
 
+    def ignoring_memory(self) -> Ranking:
+        """The same layouts with every one treated as fitting, fastest first: the planner's
+        answer to "what would the step cost if memory were no object"."""
+        return Ranking(self.all, sorted(self.all, key=lambda e: (e.step_s, e.peak)))
+
 
 def compute_bytes(cfg: Config) -> int:
     """Bytes of one element in the compute dtype (activations, gathered weights)."""

@@ -102,6 +102,18 @@ def test_search_layouts_all_validate():
         assert all(n == 1 for a, n in layout.dcn.items() if a == "tensor")
 
 
+def test_ignoring_memory_ranks_every_layout_by_step_time():
+    """--ignore-memory: layouts estimated not to fit are ranked too, fastest first, so the
+    fastest of all comes first even when it does not fit (671B on 256 H800s fits nowhere)."""
+    cfg, origins = load_config(["configs/models/deepseek_v3_671b.yaml"],
+                               ["data.seq_len=4096", "data.global_batch_size=256"])
+    ranking = search.ranked(cfg, origins, load_cluster("256xh800"))
+    by_speed = ranking.ignoring_memory()
+    assert len(by_speed.fitting) == len(ranking.all) > len(ranking.fitting)
+    assert by_speed.fitting[0].step_s == min(e.step_s for e in ranking.all)
+    assert not by_speed.fitting[0].fits  # the fastest does not fit: it still comes first
+
+
 def test_largest_buffers_skip_fusion_bodies_and_name_the_part():
     hlo = "\n".join([
         "%fused_computation (param_0: f32[4096,4096]) -> f32[4096,4096] {",
