@@ -45,6 +45,9 @@ class ModelConfig:
     dense_layer_indices: list[int] = field(default_factory=list)  # also dense (Qwen3 mlp_only_layers)
     mtp_depth: int = 0  # multi-token prediction depths D after the trunk (DeepSeek-V3: 1); 0 = off
     mtp_loss_weight: float = 0.3  # lambda: the loss adds lambda / D * sum of the D depth losses
+    # tokens of each sequence per chunk of the LM head + loss (kernels/lm_loss.py): no float32
+    # [B, S, V] logits; must divide data.seq_len; 0 = the whole sequence at once
+    lm_loss_chunk: int = 0
     pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches = stages)
     pipeline_microbatches: int = 0  # gpipe microbatches per step; 0 = number of stages
     pipeline_repeats: int = 2  # circular: layer chunks per stage (bubble shrinks V times)

@@ -249,6 +249,13 @@ def check_best_checkpoint_needs_evals(cfg: Config, need: Need) -> None:
          "ranking by eval loss needs evaluations", "set train.eval_every_steps or keep_best=0")
 
 
+def check_loss_chunk(cfg: Config, need: Need) -> None:
+    chunk = cfg.model.lm_loss_chunk
+    need(chunk >= 0 and (chunk == 0 or cfg.data.seq_len % chunk == 0), "model.lm_loss_chunk",
+         f"must be 0 or divide data.seq_len = {cfg.data.seq_len}",
+         "use 0 (whole sequence) or a divisor such as 1024")
+
+
 def resolve_mesh_shape(cfg: Config, num_devices: int, origins: dict[str, str]) -> dict[str, int]:
     """Mesh axis sizes with a -1 axis filled in; fails unless the product is num_devices."""
     sizes = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
@@ -369,6 +376,7 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
     for section, check in SECTION_CHECKS.items():
         check(getattr(cfg, section), need)
     check_best_checkpoint_needs_evals(cfg, need)
+    check_loss_chunk(cfg, need)
     if reads_data:
         check_data_fits_model(cfg, need)
     sizes = resolve_mesh_shape(cfg, num_devices, origins)

@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 from maxmoe.config import AttentionConfig, Config, ModelConfig, MoEConfig
+from maxmoe.kernels.lm_loss import chunked_lm_loss
 from maxmoe.model.attention import make_attention
 from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
@@ -188,6 +189,18 @@ class Transformer(nnx.Module):
             logits = lm_head_matmul(x, self.lm_head[...].astype(self.dtype))
             return shard(logits, ("batch", "seq", "act_vocab"))
 
+    def _lm_loss(self, x, targets, mask, norm: RMSNorm | None = None) -> jax.Array:
+        """Mean cross-entropy over the real targets (mask) of the LM head on x [B, S, D];
+        model.lm_loss_chunk > 0 runs head and loss chunk by chunk (kernels/lm_loss.py)."""
+        chunk = self.cfg.lm_loss_chunk
+        if not chunk:
+            return _cross_entropy(self.logits(x, norm), targets, mask)
+        with jax.named_scope("lm_head"):
+            h = (norm or self.final_norm)(x)
+            total = chunked_lm_loss(h, self.lm_head[...].astype(self.dtype), targets, mask,
+                                    chunk)
+        return total / jnp.maximum(jnp.sum(mask), 1.0)
+
     def __call__(self, tokens, segment_ids, positions):
         """tokens [B, S] -> (logits [B, S, V] float32, aux stacked per MoE layer)."""
         x, aux = self.hidden(tokens, segment_ids, positions)
@@ -197,7 +210,7 @@ class Transformer(nnx.Module):
         """Mean next-token cross-entropy over real targets + MoE auxiliary losses (+ MTP)."""
         x, aux = self.hidden(batch["tokens"], batch["segment_ids"], batch["positions"])
         mask = batch["loss_mask"].astype(jnp.float32)
-        ce = _cross_entropy(self.logits(x), batch["targets"], mask)
+        ce = self._lm_loss(x, batch["targets"], mask)
         total = ce
         metrics = {"ce_loss": ce}
         if "dense_activation_rms" in aux:  # [L_dense]; MoE layers' RMS follow below
@@ -233,8 +246,8 @@ class Transformer(nnx.Module):
             # a target counts only if it lies in the same packed document as position i
             same_doc = shift_left(segment_ids, k, fill=-1) == segment_ids
             mask = shift_left(batch["loss_mask"].astype(jnp.float32), k) * same_doc
-            losses.append(_cross_entropy(self.logits(x, layer.final_norm),
-                                         shift_left(batch["targets"], k), mask))
+            losses.append(self._lm_loss(x, shift_left(batch["targets"], k), mask,
+                                        layer.final_norm))
             auxs.append({key: value[None] for key, value in aux.items()})
         joined = {key: _join(auxs, key) for key in auxs[0]}
         return jnp.mean(jnp.stack(losses)), joined

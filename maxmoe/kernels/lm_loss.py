@@ -1,0 +1,84 @@
+"""The LM head and its cross-entropy fused over chunks of the sequence (`model.lm_loss_chunk`).
+
+Unchunked, a step holds several float32 [B, S, V] arrays at once (logits, their exponentials,
+the logit gradient): with DeepSeek-V3's 129K vocabulary that is 2 GiB each per 4096 tokens.
+Here the forward pass keeps only each position's log-sum-exp, and the backward pass recomputes
+one [B, chunk, V] block of logits at a time (one more LM-head matmul, as MaxText's vocabulary
+tiling does) to form its gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from maxmoe.sharding import shard
+
+
+def _chunks(a, chunk: int):
+    """[B, S, ...] -> [S / chunk, B, chunk, ...]: the sequence is not sharded, so this moves
+    nothing between devices."""
+    b, s = a.shape[:2]
+    return jnp.moveaxis(a.reshape(b, s // chunk, chunk, *a.shape[2:]), 1, 0)
+
+
+def _logits(x, w):
+    logits = jnp.einsum("bcd,dv->bcv", x, w, preferred_element_type=jnp.float32)
+    return shard(logits, ("batch", "seq", "act_vocab"))
+
+
+def _is_target(targets, vocab: int):
+    return jnp.arange(vocab, dtype=targets.dtype) == targets[..., None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def chunked_lm_loss(x, w, targets, mask, chunk: int):
+    """Sum over positions of mask x cross-entropy(x @ w, targets), in float32.
+
+    x [B, S, D] (normed final hidden state, compute dtype); w [D, V]; targets [B, S] int;
+    mask [B, S] float32; chunk divides S. Equals the unchunked LM head + cross-entropy; no
+    [B, S, V] array is formed, forward or backward.
+    """
+    return _forward(x, w, targets, mask, chunk)[0]
+
+
+def _forward(x, w, targets, mask, chunk):
+    def body(total, xs):
+        xc, tc, mc = xs
+        logits = _logits(xc, w)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.sum(jnp.where(_is_target(tc, w.shape[1]), logits, 0.0), axis=-1)
+        return total + jnp.sum((lse - target_logit) * mc), lse
+
+    total, lse = jax.lax.scan(body, jnp.zeros((), jnp.float32),
+                              (_chunks(x, chunk), _chunks(targets, chunk), _chunks(mask, chunk)))
+    return total, lse
+
+
+def _fwd(x, w, targets, mask, chunk):
+    total, lse = _forward(x, w, targets, mask, chunk)
+    return total, (x, w, targets, mask, lse)
+
+
+def _bwd(chunk, res, g):
+    x, w, targets, mask, lse = res
+
+    def body(dw, xs):
+        xc, tc, mc, lc = xs
+        probs = jnp.exp(_logits(xc, w) - lc[..., None])
+        dlogits = (probs - _is_target(tc, w.shape[1])) * (mc * g)[..., None]
+        dx = jnp.einsum("bcv,dv->bcd", dlogits.astype(w.dtype), w,
+                        preferred_element_type=jnp.float32)
+        dw = dw + jnp.einsum("bcd,bcv->dv", xc, dlogits.astype(xc.dtype),
+                             preferred_element_type=jnp.float32)
+        return dw, dx.astype(x.dtype)
+
+    dw, dx = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32),
+                          (_chunks(x, chunk), _chunks(targets, chunk), _chunks(mask, chunk), lse))
+    dx = jnp.moveaxis(dx, 0, 1).reshape(x.shape)
+    return dx, dw.astype(w.dtype), None, None
+
+
+chunked_lm_loss.defvjp(_fwd, _bwd)
