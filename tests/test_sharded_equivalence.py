@@ -74,7 +74,6 @@ MLA = ["attention.kind=mla", "attention.num_kv_heads=4", "attention.q_lora_rank=
 MLA_LAYOUTS = {
     "expert8": LAYOUTS["expert8"],
     "fsdp2_expert2_tensor2": LAYOUTS["fsdp2_expert2_tensor2"],
-    "data2_expert2_tensor2": ["mesh.expert=2", "mesh.tensor=2"],
 }
 # all four axes at once need 2 x 2 x 2 x 2 = 16 devices: run in a process of its own
 SIXTEEN = ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"]
