@@ -89,7 +89,9 @@ class MoEConfig:
     aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss weight
     z_loss_weight: float = 0.001  # router z-loss weight (ST-MoE)
     dispatch: str = "dropless"  # dropless (sort + grouped matmul) | capacity (slots, may drop)
-    capacity_factor: float = 1.25  # capacity: slots per expert = factor * local tokens * K / E
+    # capacity: slots per expert per sequence = ceil(factor * seq_len * K / E); a sequence's
+    # assignments compete only among themselves, so drops do not depend on the mesh layout
+    capacity_factor: float = 1.25
     drop_policy: str = "position"  # capacity: drop overflow by position | probability (lowest)
     grouped_matmul: str = "auto"  # dropless: ragged_dot | blocked | auto (blocked on CPU)
     block_size: int = 0  # dropless blocked: rows per block (experts padded to whole blocks); 0 = auto

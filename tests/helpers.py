@@ -43,12 +43,14 @@ def random_batch(cfg, seed: int = 0, docs_per_row: int = 3) -> dict[str, np.ndar
                 positions=positions, loss_mask=(segment_ids > 0).astype(np.float32))
 
 
-def loss_and_grads(cfg, origins, batch, num_devices: int):
-    """First-step loss, metrics and gradients on a mesh over the first num_devices devices."""
+def loss_and_grads(cfg, origins, batch, num_devices: int, edit=None):
+    """First-step loss, metrics and gradients on a mesh over the first num_devices devices.
+    edit(params) -> params, if given, changes the initial state (a pure dict) before placement."""
     sizes = validate(cfg, num_devices, origins)
     mesh = make_mesh(sizes, jax.devices()[:num_devices], dcn=dcn_sizes(cfg))
     graphdef, variables = nnx.split(build_model(cfg, cfg.train.seed))
     params = nnx.to_pure_dict(variables)
+    params = params if edit is None else edit(params)
     shardings = nnx.to_pure_dict(state_shardings(variables, mesh, cfg.mesh.rules))
 
     def loss_fn(p, b):

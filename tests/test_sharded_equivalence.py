@@ -1,13 +1,25 @@
-"""Every 8-device layout computes the same first-step loss and gradients as one device.
+"""Every sharded layout computes the same first-step loss, metrics and gradients as one device.
 
-Reference: the same model and batch on a single CPU device, float32. Tolerance: loss within
-1e-5 relative; every gradient within rtol 1e-4, atol 1e-6 (observed ~3e-8: only the order of
-float32 reductions differs between layouts).
+Reference: the same model, initial state and batch on a single CPU device, float32. Tolerance:
+loss within 1e-5 relative; every gradient within rtol 1e-4, atol 1e-6 (observed ~3e-8: only
+the order of float32 reductions differs between layouts); the maximum expert load and the
+dropped fraction exactly (they are counts).
+
+Models: a small GQA / softmax top-2 model; a DeepSeek-V3-style variant (MLA, sigmoid scores
+with group-limited routing, routed scaling, a random selection bias, the sequence-wise balance
+loss, one MTP module); capacity dispatch with a factor that drops assignments, against one
+device dropping the same ones (capacity slots are counted per sequence, so the drops do not
+depend on the layout).
 
 Pipeline layouts split the batch into microbatches; the Switch balance loss is a product of
 per-batch means, so it differs between a batch and the mean over its microbatches. Their
 reference therefore turns that loss off (its value is checked by the other layouts).
 """
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -40,25 +52,76 @@ PIPELINE_LAYOUTS = {
 # capacity mode with factor = num_experts has a slot for every assignment: nothing is dropped,
 # so it must equal the dropless single-device reference too
 DISPATCH = {"dropless": [], "capacity": ["moe.dispatch=capacity", "moe.capacity_factor=8.0"]}
+# a factor that drops (each sequence: 8 slots per expert for its 64 assignments): the reference
+# is one device with the same factor, which must drop exactly the same assignments
+DROPS = ["moe.dispatch=capacity", "moe.capacity_factor=1.0"]
+DROPS_BY_WEIGHT = [*DROPS, "moe.drop_policy=probability"]
+DROP_LAYOUTS = {  # name: (overrides, reference)
+    "expert8": (LAYOUTS["expert8"] + DROPS, "drops"),
+    "data2_fsdp2_expert2": (LAYOUTS["data2_fsdp2_expert2"] + DROPS, "drops"),
+    "expert4_tensor2_probability": (LAYOUTS["expert4_tensor2"] + DROPS_BY_WEIGHT,
+                                    "drops_by_weight"),
+    "pipeline2_expert2_fsdp2_gpipe4": (
+        PIPELINE + PIPELINE_LAYOUTS["pipeline2_expert2_fsdp2_gpipe4"] + DROPS, "pipeline_drops"),
+}
+# DeepSeek-V3 features at test size (configs/models/tiny_deepseek_v3.yaml has the same keys)
+MLA = ["attention.kind=mla", "attention.num_kv_heads=4", "attention.q_lora_rank=32",
+       "attention.kv_lora_rank=16", "attention.qk_nope_head_dim=16",
+       "attention.qk_rope_head_dim=8", "attention.v_head_dim=16", "attention.rope_interleave=true",
+       "moe.router=sigmoid", "moe.num_groups=4", "moe.groups_per_token=2",
+       "moe.routed_scaling_factor=2.5", "moe.aux_loss_weight=0.0", "moe.bias_update_speed=0.001",
+       "moe.sequence_balance_loss_weight=0.01", "model.mtp_depth=1"]
+MLA_LAYOUTS = {
+    "expert8": LAYOUTS["expert8"],
+    "fsdp2_expert2_tensor2": LAYOUTS["fsdp2_expert2_tensor2"],
+}
+# all four axes at once need 2 x 2 x 2 x 2 = 16 devices: run in a process of its own
+SIXTEEN = ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"]
+REFERENCES = {"plain": [], "pipeline": PIPELINE, "drops": DROPS, "drops_by_weight": DROPS_BY_WEIGHT,
+              "pipeline_drops": PIPELINE + DROPS, "mla": MLA}
+
+
+def with_router_bias(params):
+    """params with every router selection bias [..., E] set to seeded noise (a bias of zeros
+    would let a layout that ignores or misplaces it pass); its spread is that of the scores."""
+    rng = np.random.default_rng(1)
+
+    def noisy(path, leaf):
+        if getattr(path[-1], "key", None) != "bias":
+            return leaf
+        return rng.normal(0.0, 0.02, np.shape(leaf)).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(noisy, params)
+
+
+def reference_of(overrides):
+    """(batch, one-device (loss, metrics, grads)) of a config."""
+    cfg, origins = small_config(*overrides)
+    batch = random_batch(cfg)
+    return batch, loss_and_grads(cfg, origins, batch, num_devices=1, edit=with_router_bias)
 
 
 @pytest.fixture(scope="module")
 def references():
-    out = {}
-    for name, extra in (("plain", []), ("pipeline", PIPELINE)):
-        cfg, origins = small_config(*extra)
-        batch = random_batch(cfg)
-        out[name] = batch, loss_and_grads(cfg, origins, batch, num_devices=1)
-    return out
+    """name -> reference_of(REFERENCES[name]), each computed on first use."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = reference_of(REFERENCES[name])
+        return cache[name]
+    return get
 
 
-def _check(overrides, reference):
+def check(overrides, reference, num_devices=8):
+    """Asserts the layout's loss, metrics and gradients equal the reference's; returns the
+    config and its origins."""
     batch, (ref_loss, ref_metrics, ref_grads) = reference
     cfg, origins = small_config(*overrides)
-    loss, metrics, grads = loss_and_grads(cfg, origins, batch, num_devices=8)
+    loss, metrics, grads = loss_and_grads(cfg, origins, batch, num_devices=num_devices,
+                                          edit=with_router_bias)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    np.testing.assert_allclose(metrics["expert_load_max"], ref_metrics["expert_load_max"])
-    assert metrics["dropped_fraction"] == 0.0
+    np.testing.assert_array_equal(metrics["expert_load_max"], ref_metrics["expert_load_max"])
+    np.testing.assert_array_equal(metrics["dropped_fraction"], ref_metrics["dropped_fraction"])
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref)
@@ -68,21 +131,69 @@ def _check(overrides, reference):
     return cfg, origins
 
 
+def assert_pipelined(cfg, origins, num_devices=8):
+    """The MoE group really ran pipelined (not replicated on every stage)."""
+    sizes = validate(cfg, num_devices, origins)
+    with use_mesh(make_mesh(sizes, jax.devices()[:num_devices]), cfg.mesh.rules):
+        schedule = pipeline_schedule(cfg.model, num_stages())  # the stages the model reads
+    assert [schedule.pipelines(n) for _, _, n in layer_groups(cfg.model)] == [False, True]
+
+
 def _cases(layouts):
     return [(name, dispatch) for name in layouts for dispatch in DISPATCH]
 
 
 @pytest.mark.parametrize("name, dispatch", _cases(LAYOUTS))
 def test_layout_matches_single_device(name, dispatch, references):
-    _check(LAYOUTS[name] + DISPATCH[dispatch], references["plain"])
+    check(LAYOUTS[name] + DISPATCH[dispatch], references("plain"))
 
 
 @pytest.mark.parametrize("name, dispatch", _cases(PIPELINE_LAYOUTS))
 def test_pipeline_layout_matches_single_device(name, dispatch, references):
-    cfg, origins = _check(PIPELINE + PIPELINE_LAYOUTS[name] + DISPATCH[dispatch],
-                          references["pipeline"])
-    # the MoE group really ran pipelined (not replicated on every stage)
-    sizes = validate(cfg, 8, origins)
-    with use_mesh(make_mesh(sizes), cfg.mesh.rules):  # the stages the model reads
-        schedule = pipeline_schedule(cfg.model, num_stages())
-    assert [schedule.pipelines(n) for _, _, n in layer_groups(cfg.model)] == [False, True]
+    cfg, origins = check(PIPELINE + PIPELINE_LAYOUTS[name] + DISPATCH[dispatch],
+                         references("pipeline"))
+    assert_pipelined(cfg, origins)
+
+
+@pytest.mark.parametrize("name", list(DROP_LAYOUTS))
+def test_capacity_drops_match_single_device(name, references):
+    """Capacity mode that really drops: the same assignments as on one device (the same
+    dropped fraction, loss and gradients), whatever the layout or pipeline microbatching."""
+    overrides, ref_name = DROP_LAYOUTS[name]
+    reference = references(ref_name)
+    assert reference[1][1]["dropped_fraction"] > 0.0
+    cfg, origins = check(overrides, reference)
+    if cfg.mesh.pipeline > 1:
+        assert_pipelined(cfg, origins)
+
+
+@pytest.mark.parametrize("name", list(MLA_LAYOUTS))
+def test_deepseek_v3_features_match_single_device(name, references):
+    """MLA, sigmoid group-limited routing with a selection bias, routed scaling, the sequence
+    balance loss and MTP, sharded over expert, fsdp and tensor axes."""
+    check(MLA + MLA_LAYOUTS[name], references("mla"))
+
+
+def compare_on(num_devices: int, overrides: list[str], reference: list[str]):
+    """Entry point of the 16-device subprocess: reference and layout in one process, which
+    must have at least num_devices devices."""
+    assert len(jax.devices()) >= num_devices, jax.devices()
+    cfg, origins = check(overrides, reference_of(reference), num_devices=num_devices)
+    assert_pipelined(cfg, origins, num_devices)
+    print("equal on", num_devices, "devices")
+
+
+@pytest.mark.slow
+def test_pipeline_expert_tensor_fsdp_on_16_devices():
+    """pipeline 2 x expert 2 x tensor 2 x fsdp 2 (the test process has only 8 fake devices)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env = dict(os.environ, XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=16"]),
+               JAX_PLATFORMS="cpu")
+    code = ("from tests.test_sharded_equivalence import PIPELINE, SIXTEEN, compare_on\n"
+            "compare_on(16, PIPELINE + SIXTEEN, PIPELINE)")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                          text=True, check=False, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "equal on 16 devices" in proc.stdout

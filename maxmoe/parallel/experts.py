@@ -10,10 +10,12 @@ Inside `shard_map` every device holds its batch shard of tokens and E/ep of the 
   reduce-scatters the partial outputs back to the token owners. This all-gather/reduce-scatter
   form needs no ragged all-to-all (absent on XLA:CPU), moves each token once rather than once
   per k, and wins for small expert axes.
-- capacity: every device packs its own assignments into `capacity` slots per expert
+- capacity: every device packs its own assignments into fixed slots per expert
   (GShard/Switch), exchanges them with one all-to-all over the expert axis, runs dense batched
-  matmuls and sends results back with a second all-to-all. Overflowing assignments are
-  dropped, by arrival order ("position") or lowest router weight first ("probability").
+  matmuls and sends results back with a second all-to-all. Slots are counted per sequence
+  (capacity_for), so which assignments are dropped does not depend on the layout. Overflowing
+  assignments are dropped, by arrival order ("position") or lowest router weight first
+  ("probability").
 
 Both return (y [B, S, D], dropped fraction of (token, k) assignments on this batch).
 """
@@ -51,23 +53,36 @@ def capacity_slots(expert_idx, weights, num_experts: int, capacity: int, drop_po
     return slot.reshape(k, t).T
 
 
-def capacity_for(tokens: int, cfg: MoEConfig) -> int:
-    """Slots per expert for `tokens` local tokens: ceil(factor * tokens * K / E)."""
-    return max(1, math.ceil(cfg.capacity_factor * tokens * cfg.experts_per_token / cfg.num_experts))
+def capacity_for(seq_len: int, cfg: MoEConfig) -> int:
+    """Slots per expert per sequence of `seq_len` tokens: ceil(factor * seq_len * K / E).
+
+    Per sequence, not per device: every layout gives each device whole sequences inside the
+    dispatch (its shard_map splits only the batch dim), so a sequence's assignments compete for
+    the same slots on any mesh, in any pipeline microbatch, and one device drops exactly what a
+    sharded run drops.
+    """
+    return max(1, math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token
+                            / cfg.num_experts))
 
 
 def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
-                      exchange=None):
-    """Capacity-bounded experts for local tokens x [T, D]. exchange(buf, inverse) moves
-    [E, C, D] buffers between expert shards (all-to-all); None = all experts are local.
+                      seq_len: int, exchange=None):
+    """Capacity-bounded experts for local tokens x [T, D], T = whole sequences of seq_len
+    tokens (row-major). exchange(buf, inverse) moves [E, C, D] buffers between expert shards
+    (all-to-all); None = all experts are local.
 
-    Returns ([T, D] float32, number of dropped assignments).
+    Each sequence ranks its own assignments (capacity_slots) into capacity_for(seq_len) slots
+    per expert; C = sequences x that. Returns ([T, D] float32, number of dropped assignments).
     """
     t, d = x.shape
-    num_experts = cfg.num_experts
-    capacity = capacity_for(t, cfg)
+    num_experts, k = cfg.num_experts, expert_idx.shape[-1]
+    rows, per_seq = t // seq_len, capacity_for(seq_len, cfg)
+    capacity = rows * per_seq
     with jax.named_scope("dispatch"):
-        slot = capacity_slots(expert_idx, weights, num_experts, capacity, cfg.drop_policy)
+        slot = jax.vmap(lambda i, w: capacity_slots(i, w, num_experts, per_seq, cfg.drop_policy))(
+            expert_idx.reshape(rows, seq_len, k), weights.reshape(rows, seq_len, k))
+        first = (jnp.arange(rows, dtype=jnp.int32) * per_seq)[:, None, None]
+        slot = jnp.where(slot >= 0, slot + first, -1).reshape(t, k)  # sequence r: [r C_s, ...)
         kept = slot >= 0
         tok = jnp.broadcast_to(jnp.arange(t)[:, None], slot.shape)
         buf = jnp.zeros((num_experts, capacity, d), x.dtype)
@@ -98,7 +113,7 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
     if current_mesh() is None or current_mesh().size == 1:
         xf, idx, w = x.reshape(-1, d), expert_idx.reshape(b * s, -1), weights.reshape(b * s, -1)
         if cfg.dispatch == "capacity":
-            y, dropped = capacity_dispatch(xf, idx, w, w_gate, w_up, w_down, cfg)
+            y, dropped = capacity_dispatch(xf, idx, w, w_gate, w_up, w_down, cfg, s)
         else:
             # x itself, not xf: the same array as the router's input, one residual for both
             y = dropless_local(x, idx, w, w_gate, w_up, w_down, 0,
@@ -126,9 +141,9 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
         if capacity_mode:
             if replicated:  # every shard sees every token: keep the slots of its own experts
                 y, dropped = capacity_dispatch(xf, idx, w, *_padded_local(wg, wu, wd, first, cfg),
-                                               cfg)
+                                               cfg, s)
             else:
-                y, dropped = capacity_dispatch(xf, idx, w, wg, wu, wd, cfg,
+                y, dropped = capacity_dispatch(xf, idx, w, wg, wu, wd, cfg, s,
                                                exchange=_exchange(gathered))
         else:
             if gathered:

@@ -1,5 +1,6 @@
 """Dispatch under a deliberately skewed router: dropless keeps every token, capacity mode
-drops exactly the predicted count, on one device and expert-parallel over 8 devices.
+drops exactly the predicted count (slots per sequence, so the same count on every mesh), on
+one device and expert-parallel over 8 devices.
 
 Reference: a float64 NumPy computation of the kept assignments' expert outputs.
 """
@@ -76,23 +77,20 @@ def test_dropless_keeps_every_token_under_skew(mesh, grouped_matmul):
 def test_capacity_drops_exactly_the_predicted_count(mesh):
     cfg = MoEConfig(num_experts=E, experts_per_token=K, dispatch="capacity", capacity_factor=1.0)
     y, dropped = _run(cfg, MESHES[mesh])
-    sizes = MESHES[mesh]
-    shards = 1 if sizes is None else sizes["data"] * sizes["fsdp"] * sizes["expert"]
-    local = B * S // shards  # tokens per batch shard: slots are counted per shard
-    capacity = math.ceil(1.0 * local * K / E)
-    # experts 0 and 3 each get `local` assignments per shard and keep `capacity` of them
-    predicted = shards * 2 * (local - capacity)
+    capacity = math.ceil(1.0 * S * K / E)  # slots per expert per sequence, whatever the mesh
+    # experts 0 and 3 each get S assignments per sequence and keep `capacity` of them
+    predicted = B * 2 * (S - capacity)
+    assert 0 < predicted < B * S * K
     assert float(dropped) == pytest.approx(predicted / (B * S * K))
-    # the first `capacity` tokens of each shard (position policy) got both experts
+    # the first `capacity` tokens of each sequence (position policy) got both experts
     x, _, _ = _skewed()
     wg, wu, wd = _weights()
-    xf = np.asarray(x).reshape(shards, local, D)
-    yf = np.asarray(y).reshape(shards, local, D)
-    for s in range(shards):
-        kept = xf[s, :capacity]
+    x, y = np.asarray(x), np.asarray(y)
+    for r in range(B):
+        kept = x[r, :capacity]
         ref = 0.5 * _expert_np(kept, wg, wu, wd, 0) + 0.5 * _expert_np(kept, wg, wu, wd, 3)
-        np.testing.assert_allclose(yf[s, :capacity], ref, rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(yf[s, capacity:], 0.0, atol=1e-6)
+        np.testing.assert_allclose(y[r, :capacity], ref, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(y[r, capacity:], 0.0, atol=1e-6)
 
 
 def test_probability_policy_keeps_the_highest_weights():
