@@ -16,14 +16,16 @@ import math
 import re
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
-from maxmoe.config import MESH_AXES, load_config
+from maxmoe.config import MESH_AXES, CheckpointConfig, load_config
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.probe import replicated_leaves
-from maxmoe.sharding import state_dim_axes
-from maxmoe.train.step import state_layout
+from maxmoe.sharding import make_mesh, state_dim_axes
+from maxmoe.train.checkpoint import Checkpointer
+from maxmoe.train.step import make_trainer, state_layout
 from maxmoe.validation import validate
 from tests.helpers import small_config
 from tests.test_sharded_equivalence import LAYOUTS, PIPELINE, PIPELINE_LAYOUTS
@@ -107,6 +109,27 @@ def test_big_presets_shard_the_whole_state(name):
                    for k in abstract if k not in model_state for a in jax.tree.leaves(abstract[k]))
     assert state.total == per_device - counters
     assert state.replicated_bytes == sum(b for _, b in replicated_leaves(abstract, devices))
+
+
+@pytest.mark.slow
+def test_a_state_saved_on_one_layout_restores_onto_another(tmp_path):
+    """Orbax reshards a checkpoint onto the new placement: saved with data 2 x fsdp 2 x
+    expert 2, restored onto fsdp 4 x tensor 2 and onto one device; every leaf equal."""
+    def trainer(*overrides, devices=8):
+        cfg, origins = small_config(*overrides)
+        sizes = validate(cfg, devices, origins)
+        return make_trainer(cfg, make_mesh(sizes, jax.devices()[:devices]))
+
+    saved = trainer("mesh.fsdp=2", "mesh.expert=2").init()
+    with Checkpointer(tmp_path, CheckpointConfig(every_steps=1)) as ckpt:
+        ckpt.save(1, saved)
+        for target in (trainer("mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"),
+                       trainer("mesh.data=1", devices=1)):
+            restored, _ = ckpt.restore(target.abstract_state)
+            for r, s, t in zip(jax.tree.leaves(restored), jax.tree.leaves(saved),
+                               jax.tree.leaves(target.state_shardings), strict=True):
+                assert r.sharding == t
+                np.testing.assert_array_equal(np.asarray(r), np.asarray(s))
 
 
 def test_a_replicated_weight_fails_with_its_path_shape_and_spec():

@@ -5,7 +5,7 @@ fixes the fake CPU device count once per process), which loads the config, valid
 `devices` devices on `hosts` hosts, lowers the jitted train step with abstract arrays (no
 memory is allocated), compiles it and prints one JSON object: XLA's memory analysis per
 device, the state's bytes per device by part (read from the abstract shardings), the state
-leaves no mesh axis shards, the largest buffers of the compiled program, and the collective
+leaves not split over every mesh axis, the largest buffers of the compiled program, and the collective
 bytes per step (collectives.py).
 
 compiler "cpu" (the default) compiles with XLA:CPU on fake CPU devices: where a CPU compile
