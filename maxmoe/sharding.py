@@ -4,6 +4,8 @@ Model code names logical axes only (`shard(x, ("batch", "seq", "act_embed"))`, p
 `axes=(...)` metadata); this module is the only place that knows mesh axis names. Axes are
 GSPMD-style `Auto`: XLA propagates shardings between the constraints we place, which keeps
 model code free of `out_sharding` plumbing (jax 0.10's `make_mesh` default is Explicit).
+Activations follow the rules table (`spec`, `shard`); the train state is stored over every
+mesh axis that fits it (`state_dim_axes`, ZeRO-3), and XLA gathers it where it is used.
 """
 
 from __future__ import annotations
