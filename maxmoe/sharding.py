@@ -4,6 +4,8 @@ Model code names logical axes only (`shard(x, ("batch", "seq", "act_embed"))`, p
 `axes=(...)` metadata); this module is the only place that knows mesh axis names. Axes are
 GSPMD-style `Auto`: XLA propagates shardings between the constraints we place, which keeps
 model code free of `out_sharding` plumbing (jax 0.10's `make_mesh` default is Explicit).
+Activations follow the rules table (`spec`, `shard`); the train state is stored over every
+mesh axis that fits it (`state_dim_axes`, ZeRO-3), and XLA gathers it where it is used.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import MESH_AXES
 
@@ -78,7 +80,8 @@ def mesh_platform() -> str:
 def dim_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
              sizes: Mapping[str, int] | None = None,
              shape: Sequence[int] | None = None) -> list[tuple[str, ...]]:
-    """The mesh axes each dimension is split over: the one axis choice of every spec.
+    """The mesh axes each dimension of an activation is split over (`spec`, `shard`); the
+    train state's storage starts from it (`state_dim_axes`).
 
     A mesh axis is used at most once per spec. With `sizes` (mesh axis -> size), size-1 axes
     are dropped, and with `shape` too, a dimension the chosen axes do not divide stays whole
@@ -104,8 +107,56 @@ def spec(logical: Sequence[str | None], rules: dict[str, list[str]] | None = Non
     rules = rules if rules is not None else (_RULES.get() or {})
     mesh = _MESH.get()
     sizes = dict(mesh.shape) if mesh is not None else None
-    return P(*(axes if len(axes) > 1 else (axes[0] if axes else None)
-               for axes in dim_axes(logical, rules, sizes, shape)))
+    return _as_spec(dim_axes(logical, rules, sizes, shape))
+
+
+def _as_spec(axes: Sequence[tuple[str, ...]]) -> P:
+    return P(*(ax if len(ax) > 1 else (ax[0] if ax else None) for ax in axes))
+
+
+# leading dims that lax.scan and the pipeline slice one layer / stage at a time: a storage axis
+# placed there would make every slice gather the whole stack
+STACK_AXES = ("layers", "stage")
+
+
+def state_dim_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
+                   sizes: Mapping[str, int],
+                   shape: Sequence[int]) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """Where a train-state leaf (param, optimizer moment, buffer) is stored: ZeRO-3 over every
+    mesh axis of size > 1 that some dimension can take. Returns (mesh axes per dim, unplaced).
+
+    1. Each dim takes those of its rules axes (`dim_axes`' choice) that divide what is left
+       of it, in order; an axis that does not divide is set aside, not dropped.
+    2. The set-aside axes and every mesh axis the rules left unused go, largest axis first,
+       onto the dim with the most elements per device that they divide (never a STACK_AXES
+       dim), after that dim's own axes: compute reads the rules' sharding back with an
+       all-gather over the added axes alone (FSDP-style).
+    3. `unplaced`: the axes no dim can take; the leaf is replicated over them.
+    Activations keep `dim_axes` (`spec`, `shard`); on one device nothing changes.
+    """
+    live = [a for a in MESH_AXES if sizes.get(a, 1) > 1]
+    per_device = list(shape)
+    out: list[tuple[str, ...]] = []
+    used: set[str] = set()
+    for dim, name in enumerate(logical):
+        kept = []
+        for a in (rules.get(name, []) if name else []):
+            if a in live and a not in used and per_device[dim] % sizes[a] == 0:
+                kept.append(a)
+                used.add(a)
+                per_device[dim] //= sizes[a]
+        out.append(tuple(kept))
+    unplaced = []
+    for a in sorted((a for a in live if a not in used), key=lambda a: -sizes[a]):
+        fits = [d for d, name in enumerate(logical)
+                if name not in STACK_AXES and per_device[d] % sizes[a] == 0]
+        if not fits:
+            unplaced.append(a)
+            continue
+        dim = max(fits, key=lambda d: per_device[d])  # the first of equals
+        out[dim] += (a,)
+        per_device[dim] //= sizes[a]
+    return out, tuple(unplaced)
 
 
 def named(logical: Sequence[str | None]) -> NamedSharding:
@@ -128,15 +179,19 @@ def param_axes(variable) -> tuple[str | None, ...]:
     return ("layers",) * extra + axes
 
 
-def state_shardings(state, mesh: Mesh, rules: dict[str, list[str]]):
-    """NamedSharding for every nnx.Variable in an nnx.State (params by their axes metadata)."""
+def state_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]]):
+    """NamedSharding for every nnx.Variable in an nnx.State: params by their axes metadata,
+    placed for storage by `state_dim_axes` (over every mesh axis that fits). Needs no current
+    mesh, so an AbstractMesh of any size works too (shapes only)."""
+    sizes = dict(mesh.shape)
+
     def one(v):
         if isinstance(v, nnx.Variable):
-            return v.replace(NamedSharding(mesh, spec(param_axes(v), rules, v.get_value().shape)))
+            axes, _ = state_dim_axes(param_axes(v), rules, sizes, v.get_value().shape)
+            return v.replace(NamedSharding(mesh, _as_spec(axes)))
         return NamedSharding(mesh, P())
 
-    with use_mesh(mesh, rules):
-        return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:

@@ -144,12 +144,17 @@ def check_moe(e: MoEConfig, need: Need) -> None:
 
 
 def check_mesh(mesh: MeshConfig, need: Need) -> None:
-    """The rules table names only mesh axes (the axis sizes need the devices: see below)."""
+    """The rules table names only mesh axes, each at most once per logical axis (the axis
+    sizes need the devices: see below)."""
     for logical, axes in mesh.rules.items():
         for ax in axes:
             if ax not in MESH_AXES:
                 fail(f"mesh.rules.{logical}", axes, need.origin("mesh.rules"),
                      f"unknown mesh axis {ax!r}", f"use axes from: {', '.join(MESH_AXES)}")
+        if len(set(axes)) < len(axes):
+            fail(f"mesh.rules.{logical}", axes, need.origin("mesh.rules"),
+                 "names a mesh axis twice (a dimension is split over each axis once)",
+                 "list each mesh axis once")
 
 
 def check_optimizer(op: OptimizerConfig, need: Need) -> None:

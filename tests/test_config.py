@@ -439,6 +439,12 @@ def test_unknown_mesh_axis_in_rules_is_named_before_the_pipeline_reads_the_rules
     check(msg, "mesh.rules.batch", ["data", "dta"], CMD, "unknown mesh axis 'dta'")
 
 
+def test_mesh_axis_twice_in_one_rule(base):
+    msg = error(load_validate, [base], ["mesh.rules.embed=[fsdp, fsdp]"])
+    check(msg, "mesh.rules.embed", ["fsdp", "fsdp"], CMD, "names a mesh axis twice",
+          "list each mesh axis once")
+
+
 def test_partial_rules_override_only_the_named_axes(tmp_path, base):
     f = write(tmp_path, "rules.yaml", yaml.safe_dump({"mesh": {"rules": {"vocab": []}}}))
     cfg, _ = load_config([base, f], ["mesh.rules.batch=[data]"])

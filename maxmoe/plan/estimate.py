@@ -1,7 +1,7 @@
 """Analytic train-state bytes per device: no devices, no mesh object, no compile.
 
 `state_bytes(cfg, sizes)` sizes every leaf of the train state from its shape, dtype and the
-mesh axes the rules table splits it over (`sharding.dim_axes`, the choice `make_trainer`'s
+mesh axes it is stored over (`sharding.state_dim_axes`, the choice `make_trainer`'s
 shardings make), for mesh axis sizes of any cluster: `maxmoe plan --search` ranks layouts by
 it before compiling any, and the launch-template test checks that the templates fit.
 """
@@ -21,7 +21,7 @@ from flax import nnx
 from maxmoe.config import Config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
-from maxmoe.sharding import dim_axes, param_axes
+from maxmoe.sharding import param_axes, state_dim_axes
 from maxmoe.train.optimizer import make_optimizer
 
 
@@ -31,7 +31,7 @@ class Leaf:
     path: str
     shape: tuple[int, ...]  # per device
     dtype: Any
-    sharded: bool  # split over at least one mesh axis
+    sharded: bool  # split over every mesh axis of size > 1 (a scalar counts as sharded)
 
     @property
     def bytes(self) -> int:
@@ -44,8 +44,9 @@ class StateBytes:
     a few hundred bytes, are left out). `grads` are the step's gradients: float32 like the
     master params they are taken against, sharded as the params. `total` = params + opt_state
     + buffers (optimizer.offload_state keeps opt_state in host memory; it is counted anyway).
-    `replicated`: (path, bytes) of params, their optimizer moments and buffers split over no
-    mesh axis although the mesh has more than one device, largest first."""
+    `replicated`: (path, bytes per device) of params, their optimizer moments and buffers
+    that some mesh axis of size > 1 does not split (no dim of the leaf divides by it: see
+    `sharding.state_dim_axes`), largest first."""
     params: int
     grads: int
     opt_state: int
@@ -58,11 +59,11 @@ class StateBytes:
 
 def _per_device(abstract: jax.ShapeDtypeStruct, logical, cfg: Config,
                 sizes: dict[str, int]) -> tuple[tuple[int, ...], bool]:
-    """(per-device shape, sharded?) of a leaf with these logical axes."""
-    axes = dim_axes(logical, cfg.mesh.rules, sizes, abstract.shape)
+    """(per-device shape, split over every mesh axis?) of a leaf with these logical axes."""
+    axes, unplaced = state_dim_axes(logical, cfg.mesh.rules, sizes, abstract.shape)
     shape = tuple(n // math.prod(sizes[a] for a in ax) for n, ax in zip(abstract.shape, axes,
                                                                        strict=True))
-    return shape, any(axes)
+    return shape, not unplaced
 
 
 def _variable_leaves(state, cfg: Config, sizes: dict[str, int]) -> dict[str, Leaf]:
@@ -111,7 +112,7 @@ def state_leaves(cfg: Config, sizes: dict[str, int]) -> dict[str, list[Leaf]]:
 
     opt_tree = optax.tree_map_params(
         optimizer, mirror, opt_state, param_tree,
-        transform_non_params=lambda x: Leaf("", tuple(x.shape), x.dtype, False),
+        transform_non_params=lambda x: Leaf("", tuple(x.shape), x.dtype, not x.shape),
         is_leaf=lambda x: isinstance(x, Leaf))
     opt = [dataclasses.replace(leaf, path=jax.tree_util.keystr(path))
            for path, leaf in jax.tree_util.tree_leaves_with_path(

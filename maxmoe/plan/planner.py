@@ -115,7 +115,7 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
         for b in best["largest_buffers"][:5]))
     rep = best["replicated_leaves"]
     say(f"  replicated state: {best['replicated_state_bytes_per_device'] / GIB:.2f} GiB per "
-        f"device in {len(rep)} leaves no mesh axis shards" + (": " + ", ".join(
+        f"device in {len(rep)} leaves not split over every mesh axis" + (": " + ", ".join(
             f"{p} {b / GIB:.2f} GiB" for p, b in rep[:4]) if rep else ""))
     say("  communication per step (bytes one device sends):\n    " + summarize(
         CommBytes(best["collective_bytes_per_step"], [])).replace("\n", "\n    "))
@@ -150,8 +150,7 @@ def fits_nowhere(cfg, origins: dict[str, str], cluster: Cluster, valid: int) -> 
         if search.ranked(cfg, origins, bigger).fitting:
             return (f"--cluster {cluster.name}: {where} by the analytic estimate ({valid} valid "
                     f"layouts); the smallest {cluster.kind} cluster where one does is about "
-                    f"--cluster {bigger.name}, or lower data.global_batch_size / shard the "
-                    "replicated state (mesh.rules)")
+                    f"--cluster {bigger.name}, or lower data.global_batch_size")
     return (f"--cluster {cluster.name}: {where} ({valid} valid layouts), nor on "
             f"{hosts}x as many hosts; lower data.seq_len or data.global_batch_size")
 
@@ -175,7 +174,8 @@ def fix_hint(best: dict, cluster: Cluster) -> str:
     over = best["peak_bytes_per_device"] - best["usable_bytes_per_device"]
     if best["replicated_state_bytes_per_device"] > over:
         return (f"{best['replicated_state_bytes_per_device'] / GIB:.1f} GiB of state is "
-                "replicated (above); map those logical axes to a mesh axis in mesh.rules")
+                "replicated (above): no dim of those leaves divides by a mesh axis; pick mesh "
+                "sizes their dims divide by")
     need = math.ceil(best["devices"] * best["peak_bytes_per_device"]
                      / best["usable_bytes_per_device"])
     hosts = math.ceil(need / cluster.devices_per_host)

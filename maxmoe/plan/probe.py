@@ -5,7 +5,7 @@ fixes the fake CPU device count once per process), which loads the config, valid
 `devices` devices on `hosts` hosts, lowers the jitted train step with abstract arrays (no
 memory is allocated), compiles it and prints one JSON object: XLA's memory analysis per
 device, the state's bytes per device by part (read from the abstract shardings), the state
-leaves no mesh axis shards, the largest buffers of the compiled program, and the collective
+leaves not split over every mesh axis, the largest buffers of the compiled program, and the collective
 bytes per step (collectives.py).
 
 compiler "cpu" (the default) compiles with XLA:CPU on fake CPU devices: where a CPU compile
@@ -80,18 +80,18 @@ def state_parts(abstract_state) -> dict[str, int]:
 
 
 def replicated_leaves(abstract_state, devices: int) -> list[tuple[str, int]]:
-    """(path, bytes per device) of the params, optimizer state and buffers leaves that no
-    mesh axis shards, largest first (scalars left out: counters); empty on one device. The
-    guard's and loss scale's few statistics are replicated by design and not listed."""
+    """(path, bytes per device) of the params, optimizer state and buffers leaves that are not
+    split over all `devices` (a mesh axis no dim of theirs divides: `sharding.state_dim_axes`),
+    largest first (scalars left out: counters); empty on one device. The guard's and loss
+    scale's few statistics are replicated by design and not listed."""
     if devices == 1:
         return []
     out = []
     model_state = {k: v for k, v in abstract_state.items()
                    if k in ("params", "opt_state", "buffers")}
     for path, a in jax.tree_util.tree_leaves_with_path(model_state):
-        full = math.prod(a.shape) * a.dtype.itemsize
-        if a.shape and a.sharding.shard_shape(a.shape) == tuple(a.shape):
-            out.append((jax.tree_util.keystr(path, simple=True, separator="/"), full))
+        if a.shape and math.prod(a.shape) < devices * math.prod(a.sharding.shard_shape(a.shape)):
+            out.append((jax.tree_util.keystr(path, simple=True, separator="/"), leaf_bytes(a)))
     return sorted(out, key=lambda x: -x[1])
 
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
 from maxmoe.model.router import RouterBias
@@ -51,14 +51,28 @@ class Trainer:
     jitted_step: Any  # the jax.jit object behind `step` (lower/compile for analysis)
 
 
-def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """The train state's structure and placement on one mesh, before anything is jitted."""
+    graphdef: Any
+    optimizer: optax.GradientTransformation
+    init_state: Callable[[], Any]  # () -> the initial state (unsharded; jit places it)
+    shardings: Any  # NamedSharding per state leaf
+    device_opt_shardings: Any  # optimizer.offload_state: the moments' on-device shardings
+    abstract: Any  # ShapeDtypeStructs carrying `shardings`
+
+
+def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
+    """The train state {step, params, opt_state, guard, [loss_scale], [buffers]} of `cfg` and
+    its shardings on `mesh`: params and buffers as `sharding.state_shardings` places them,
+    optimizer moments as their params, counters replicated. Traces shapes only, so an
+    AbstractMesh of any cluster size works (the structural sharding test, the planner)."""
     rules = cfg.mesh.rules
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed))
     graphdef, abstract_vars, abstract_buffers = nnx.split(abstract_model, nnx.Param, RouterBias)
     param_shardings = nnx.to_pure_dict(state_shardings(abstract_vars, mesh, rules))
     has_buffers = bool(jax.tree.leaves(abstract_buffers))
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
-    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     scaler = make_loss_scaler(cfg.precision)
     step_guard = StepGuard.from_config(cfg.guard)
     replicated = NamedSharding(mesh, P())
@@ -89,11 +103,21 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         shardings["buffers"] = nnx.to_pure_dict(state_shardings(abstract_buffers, mesh, rules))
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
+    return StateLayout(graphdef, optimizer, init_state, shardings, device_opt_shardings,
+                       abstract)
+
+
+def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
+    rules = cfg.mesh.rules
+    layout = state_layout(cfg, mesh)
+    graphdef, optimizer, shardings = layout.graphdef, layout.optimizer, layout.shardings
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    replicated = NamedSharding(mesh, P())
     with use_mesh(mesh, rules):
         batch_sharding = named(("batch", "seq"))
         micro_spec = spec((None, "batch", "seq"))
     train_step = make_train_step(cfg, graphdef, optimizer, schedule, micro_spec,
-                                 device_opt_shardings)
+                                 layout.device_opt_shardings)
 
     def run_in_mesh(fn):
         def wrapped(*args):
@@ -101,12 +125,12 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
                 return fn(*args)
         return wrapped
 
-    init = run_in_mesh(jax.jit(init_state, out_shardings=shardings))
+    init = run_in_mesh(jax.jit(layout.init_state, out_shardings=shardings))
     jitted_step = jax.jit(train_step, in_shardings=(shardings, batch_sharding),
                           out_shardings=(shardings, replicated), donate_argnums=0)
     step = run_in_mesh(jitted_step)
-    return Trainer(graphdef, optimizer, shardings, batch_sharding, init, step, abstract, mesh,
-                   rules, jitted_step)
+    return Trainer(graphdef, optimizer, shardings, batch_sharding, init, step, layout.abstract,
+                   mesh, rules, jitted_step)
 
 
 def per_layer(metrics: dict, cfg: Config) -> jax.Array | None:

@@ -54,25 +54,26 @@ def test_state_bytes_equal_make_trainer_shardings_leaf_for_leaf(model, layout):
         assert estimate.replicated_bytes < 0.05 * estimate.total
 
 
-def test_a_deliberately_replicated_weight_is_listed():
+def test_a_weight_no_axis_divides_is_listed():
     base = [TINY, MODELS[0]]
     mesh = ["mesh.data=1", "mesh.fsdp=8", "mesh.expert=1"]
 
-    def q_lora_entries(rule: str):
-        cfg, origins = load_config(base, [*mesh, f"mesh.rules.q_lora={rule}"])
+    def q_lora_entries(rank: int):
+        # q_b [q_lora, heads 4, 12 + 8]: with q_lora 36 no dim divides by fsdp's 8
+        cfg, origins = load_config(base, [*mesh, f"attention.q_lora_rank={rank}",
+                                          "attention.qk_nope_head_dim=12",
+                                          "attention.qk_rope_head_dim=8"])
         estimate = state_bytes(cfg, validate(cfg, 8, origins))
         return estimate, [path for path, _ in estimate.replicated
                           if "['q_b']" in path or "['q_a_norm']" in path]
 
-    # q_b [q_lora, heads, head_dim] and q_a_norm [q_lora] have no fsdp-sharded axis but q_lora
-    # (heads go to tensor, size 1 here): split only while the rule maps q_lora to fsdp
-    sharded, in_sharded = q_lora_entries("[fsdp]")
-    replicated, in_replicated = q_lora_entries("[]")
+    # q_b [q_lora, heads, head_dim] and q_a_norm [q_lora]: split while q_lora divides by 8
+    sharded, in_sharded = q_lora_entries(64)
+    replicated, in_replicated = q_lora_entries(36)
     assert in_sharded == []
     q_b = [p for p in in_replicated if "['q_b']" in p]
     assert any(p.startswith("params") for p in q_b) and any(".mu" in p for p in q_b)
     assert any(".nu" in p for p in q_b)
     assert replicated.replicated_bytes > sharded.replicated_bytes
-    assert replicated.total > sharded.total
     sizes = [b for _, b in replicated.replicated]
     assert sizes == sorted(sizes, reverse=True)

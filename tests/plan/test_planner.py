@@ -18,9 +18,10 @@ TINY_V3 = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml",
            "data.global_batch_size=32", "data.seq_len=256", "model.remat_policy=full",
            "mesh.data=1"]
 LAYOUTS = {  # name -> overrides of TINY_V3 on 8 devices
-    # MLA's q_lora path on no mesh axis and heads unsplit: q_b and its moments replicated
-    "fsdp8_q_b_replicated": ["mesh.fsdp=8", "mesh.expert=1", "attention.q_lora_rank=64",
-                             "mesh.rules.q_lora=[]", "mesh.rules.heads=[]"],
+    # q_b [q_lora 36, heads 4, 12 + 8]: no dim divides by fsdp's 8, so it and its moments
+    # stay whole on every device
+    "fsdp8_q_b_replicated": ["mesh.fsdp=8", "mesh.expert=1", "attention.q_lora_rank=36",
+                             "attention.qk_nope_head_dim=12", "attention.qk_rope_head_dim=8"],
     "fsdp2_expert2_tensor2_accum2": ["mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2",
                                      "train.grad_accum_steps=2"],
 }
@@ -68,17 +69,18 @@ def test_collectives_read_from_the_compiled_step(measured):
     assert {"fsdp", "expert", "tensor"} <= axes and not axes & {"data", "pipeline"}
 
 
-def test_a_deliberately_replicated_weight_shows_up(measured):
+def test_a_replicated_weight_shows_up(measured):
     """q_b (param and both Adam moments) is listed as replicated, with its full bytes, and the
-    analytic estimate of the same config agrees; mapped to fsdp, it leaves the list."""
+    analytic estimate of the same config agrees; with a q_lora rank fsdp divides, it leaves
+    the list."""
     m = measured["fsdp8_q_b_replicated"]
     q_b = {p: b for p, b in m["replicated"] if p.endswith("attn/q_b")}
     # one q_b per stack of layers (dense, MoE, MTP), each as param and two moments
     assert {p.split("/")[0] for p in q_b} == {"params", "opt_state"} and len(q_b) == 3 * 3
     assert m["replicated_state_bytes"] >= sum(q_b.values())
     items = TINY_V3 + LAYOUTS["fsdp8_q_b_replicated"]
-    for rule, expected in (("[]", m["replicated_state_bytes"]), ("[fsdp]", None)):
-        cfg, origins = load_config(items[:2], items[2:] + [f"mesh.rules.q_lora={rule}"])
+    for rank, expected in ((36, m["replicated_state_bytes"]), (64, None)):
+        cfg, origins = load_config(items[:2], items[2:] + [f"attention.q_lora_rank={rank}"])
         state = state_bytes(cfg, validate(cfg, 8, origins, 1))
         listed = [p for p, _ in state.replicated if p.endswith("['q_b']")]
         if expected is None:
