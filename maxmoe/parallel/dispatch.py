@@ -23,8 +23,8 @@ called inside parallel/experts.py's `shard_map` body (or without a mesh, with no
 - `Capacity` (may drop): GShard/Switch slot buffers per expert, one all-to-all each way
   (defined in parallel/experts.py next to `capacity_dispatch`).
 
-`choose_transport` is the rule `moe.transport=auto` follows; `describe_transport` is its
-start-up line.
+`choose_transport` is the rule `moe.transport=auto` follows (make_trainer applies it to the
+layout with `resolve_transport`); `describe_transport` is its start-up line.
 """
 
 from __future__ import annotations
@@ -62,6 +62,16 @@ def expert_axis_sizes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[int, int
     ep = math.prod(mesh_sizes[a] for a in axes)
     hosts = math.prod(getattr(cfg.mesh, f"dcn_{a}") for a in axes)
     return ep, hosts
+
+
+def resolve_transport(cfg: Config, mesh_sizes: dict[str, int]) -> Config:
+    """cfg with moe.transport=auto replaced by the transport it picks on this layout (the DCN
+    factors of the config count the hosts, so a one-process planner compile of a multi-host
+    layout builds what the cluster will run)."""
+    if cfg.moe.transport != "auto":
+        return cfg
+    transport = choose_transport(cfg.moe, *expert_axis_sizes(cfg, mesh_sizes))
+    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, transport=transport))
 
 
 def describe_transport(cfg: Config, mesh_sizes: dict[str, int]) -> str | None:
