@@ -24,6 +24,7 @@ from maxmoe.parallel.dispatch import (
     describe_transport,
 )
 from maxmoe.parallel.experts import routed_experts
+from maxmoe.plan.gpu_aot import gpu_devices
 from maxmoe.sharding import make_mesh, named, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
@@ -107,6 +108,23 @@ def test_gpu_form_lowers_with_ragged_all_to_all():
     assert "ragged_all_to_all" in text
     dense = jax.jit(_a2a_on(mesh, cfg, ragged=False)).lower(*args).as_text()
     assert "ragged_all_to_all" not in dense and "all_to_all" in dense
+
+
+def test_gpu_form_compiles_for_gpu_without_a_device():
+    """Deviceless XLA:GPU compile of the transport's forward and backward (the venv with
+    jax[cuda12], docs/gpu_aot.md; skipped without the plugin): ragged-all-to-all in the HLO."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
+    mesh = jax.sharding.Mesh(gpu_devices(4, "h100"), ("expert",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, grouped_matmul="ragged_dot")
+    rows = jax.sharding.NamedSharding(mesh, P("expert"))
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows) for a in (
+        jnp.zeros((4 * 64, D)), jnp.zeros((4 * 64, K), jnp.int32), jnp.zeros((4 * 64, K)),
+        *_inputs()[3:])]
+    body = _a2a_on(mesh, cfg, ragged=True)
+    hlo = jax.jit(jax.grad(lambda *a: jnp.sum(body(*a)[0]), argnums=(0, 3))).lower(
+        *args).compile().as_text()
+    assert "ragged-all-to-all" in hlo
 
 
 @pytest.mark.parametrize("transport, ep, hosts, chosen", [
