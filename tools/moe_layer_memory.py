@@ -9,7 +9,9 @@ Shapes (defaults: DeepSeek-V3): --tokens per device, --dim D, --experts E, --top
 bfloat16. The mesh is `expert=ep` alone (tokens data-parallel over it, as the default rules
 shard the batch over `expert`). Paths: all_gather and all_to_all (dropless, moe.transport) and
 capacity (moe.capacity_factor 1.25); the CPU grouped matmul is `blocked`, the planner's GPU
-stand-in. Each (ep, path) compiles in its own subprocess, whose device count must be set
+stand-in. `--compiler gpu` compiles for H100s instead, deviceless: the exchange is then
+ragged_all_to_all, as on a GPU (the grouped matmul stays `blocked`: a deviceless XLA:GPU
+compile expands ragged_dot into dense per-expert matmuls, hundreds of GiB at these shapes). Each (ep, path) compiles in its own subprocess, whose device count must be set
 before JAX starts (--xla_force_host_platform_device_count).
 """
 
@@ -36,13 +38,19 @@ def measure(ep: int, path: str, a) -> dict:
 
     from maxmoe.config import DEFAULT_RULES, load_config
     from maxmoe.parallel.experts import routed_experts
+    from maxmoe.plan.gpu_aot import gpu_devices
+    from maxmoe.plan.probe import largest_buffers
     from maxmoe.sharding import make_mesh, named, use_mesh
 
     cfg, _ = load_config([], [f"moe.num_experts={a.experts}", f"moe.experts_per_token={a.topk}",
                               f"moe.expert_mlp_size={a.ffn}", "moe.grouped_matmul=blocked",
                               *PATHS[path]])
     moe = cfg.moe
-    mesh = make_mesh(dict(data=1, fsdp=1, pipeline=1, expert=ep, tensor=1))
+    sizes = dict(data=1, fsdp=1, pipeline=1, expert=ep, tensor=1)
+    if a.compiler == "gpu":  # deviceless XLA:GPU (docs/gpu_aot.md): ragged_all_to_all
+        mesh = make_mesh(sizes, devices=gpu_devices(ep, "h100"))
+    else:
+        mesh = make_mesh(sizes)
     dt = jnp.bfloat16
     with use_mesh(mesh, DEFAULT_RULES):
         tok = named(("batch", "seq", None))
@@ -60,7 +68,11 @@ def measure(ep: int, path: str, a) -> dict:
             y, _ = routed_experts(x, idx, w, wg, wu, wd, moe)
             return jnp.sum(y.astype(jnp.float32))
         grad = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4, 5)))
-        m = grad.lower(*args).compile().memory_analysis()
+        compiled = grad.lower(*args).compile()
+        m = compiled.memory_analysis()
+        if os.environ.get("MOE_MEMORY_BUFFERS"):  # debugging: the largest arrays, to stderr
+            for row in largest_buffers(compiled.as_text(), 12):
+                print(row, file=sys.stderr)
     return {"ep": ep, "path": path, "argument_bytes": m.argument_size_in_bytes,
             "temp_bytes": m.temp_size_in_bytes, "output_bytes": m.output_size_in_bytes}
 
@@ -74,6 +86,9 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--compiler", choices=["cpu", "gpu"], default="cpu",
+                   help="gpu: deviceless XLA:GPU compile for H100s (needs jax[cuda12], run "
+                   "with /work/venv-gpuaot/bin/python; docs/gpu_aot.md)")
     p.add_argument("--child", nargs=2, metavar=("EP", "PATH"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -83,7 +98,7 @@ def main() -> int:
     print("| ep | path | arguments GiB | temporaries GiB | args + temps GiB |\n"
           "|---:|---|---:|---:|---:|")
     shape = ["--tokens", str(a.tokens), "--dim", str(a.dim), "--experts", str(a.experts),
-             "--topk", str(a.topk), "--ffn", str(a.ffn)]
+             "--topk", str(a.topk), "--ffn", str(a.ffn), "--compiler", a.compiler]
     for ep in a.ep:
         for path in a.paths:
             path_env = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

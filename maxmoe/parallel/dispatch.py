@@ -319,13 +319,14 @@ def _rounds_bwd(route, res, gy):
     *routing, rounds = plan
     diff = (x, w, w_gate, w_up, w_down)
 
+    # gradients summed over rounds in each input's own dtype: a float32 copy of the local
+    # expert weights' gradients would be the largest buffer of the layer (one round, the
+    # usual case, adds to zeros: exact)
     def step(r, acc):
         _, vjp = jax.vjp(lambda *a: _one_round(route, r, *a, *routing), *diff)
-        return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, vjp(gy), strict=True))
-    zeros = tuple(jnp.zeros(a.shape, jnp.float32) for a in diff)
-    grads = jax.lax.fori_loop(0, rounds, step, zeros)
-    return (*(g.astype(a.dtype) for g, a in zip(grads, diff, strict=True)),
-            *(None for _ in plan))
+        return tuple(s + g for s, g in zip(acc, vjp(gy), strict=True))
+    grads = jax.lax.fori_loop(0, rounds, step, tuple(jnp.zeros_like(a) for a in diff))
+    return (*grads, *(None for _ in plan))
 
 
 _rounds.defvjp(_rounds_fwd, _rounds_bwd)
