@@ -49,7 +49,9 @@ from maxmoe.kernels.grouped_matmul import (
 from maxmoe.sharding import mesh_platform
 
 # auto: all_gather while the expert axis has at most this many shards (a host's GPUs) and
-# lies inside one host; all_to_all otherwise (its buffers do not grow with ep)
+# lies inside one host (NVLink); all_to_all otherwise. all_gather's buffers hold T ep rows,
+# all_to_all's c T K: below ep = c K (12 for DeepSeek-V3's K 8 at c 1.5) all_gather's are the
+# smaller ones (docs/performance.md, Expert-parallel transports)
 AUTO_ALL_GATHER_MAX_EP = 8
 
 

@@ -1,21 +1,23 @@
 """Routed-expert computation, expert-parallel over the mesh: dropless or capacity-bounded.
 
 Inside `shard_map` every device holds its batch shard of tokens and E/ep of the experts
-(ep = size of the mesh axes the logical `experts` axis maps to).
+(ep = size of the mesh axes the logical `experts` axis maps to). `routed_experts` builds the
+shard_map and hands the tokens to a dispatcher (parallel/dispatch.py, one class per strategy):
 
-- dropless: tokens are all-gathered over the expert axis, each device sorts the (token, k)
-  assignments that hit its own experts, runs them as a grouped matmul (kernels/grouped_matmul.py:
-  `lax.ragged_dot` on GPU; on CPU `block_expert_mlp`, a loop over per-expert row blocks that
-  gathers, computes and scatters in one; nothing dropped whatever the imbalance) and
-  reduce-scatters the partial outputs back to the token owners. This all-gather/reduce-scatter
-  form needs no ragged all-to-all (absent on XLA:CPU), moves each token once rather than once
-  per k, and wins for small expert axes.
-- capacity: every device packs its own assignments into `capacity` slots per expert
-  (GShard/Switch), exchanges them with one all-to-all over the expert axis, runs dense batched
-  matmuls and sends results back with a second all-to-all. Overflowing assignments are
-  dropped, by arrival order ("position") or lowest router weight first ("probability").
+- dropless, moe.transport all_gather (`AllGather`): tokens are all-gathered over the expert
+  axis, each device runs the (token, k) assignments that hit its own experts as a grouped
+  matmul (kernels/grouped_matmul.py) and reduce-scatters the partial outputs back. Moves each
+  token once rather than once per k; buffers of T ep rows, so it suits small expert axes.
+- dropless, moe.transport all_to_all (`AllToAll`): each assignment goes once to its expert's
+  shard and back, in rounds of a fixed slot count per (source, destination) pair; buffers of
+  c T K rows whatever ep; nothing dropped (skew runs extra rounds).
+- capacity (`Capacity`, here beside `capacity_dispatch`): every device packs its own
+  assignments into `capacity` slots per expert (GShard/Switch), exchanges them with one
+  all-to-all over the expert axis, runs dense batched matmuls and sends results back with a
+  second all-to-all. Overflowing assignments are dropped, by arrival order ("position") or
+  lowest router weight first ("probability").
 
-Both return (y [B, S, D], dropped fraction of (token, k) assignments on this batch).
+All return (y [B, S, D], stats: dropped fraction of (token, k) assignments, exchange rounds).
 """
 
 from __future__ import annotations

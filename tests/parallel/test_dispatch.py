@@ -33,7 +33,11 @@ E, K, D, F = 8, 2, 16, 8
 B, S = 8, 16  # 128 tokens
 MESHES = {"expert8": dict(data=1, fsdp=1, pipeline=1, expert=8, tensor=1),
           "data2 expert4": dict(data=2, fsdp=1, pipeline=1, expert=4, tensor=1),
-          "fsdp2 expert2 tensor2": dict(data=1, fsdp=2, pipeline=1, expert=2, tensor=2)}
+          "fsdp2 expert2 tensor2": dict(data=1, fsdp=2, pipeline=1, expert=2, tensor=2),
+          # batch not sharded over expert: every expert shard holds the same tokens
+          "data2 expert4, tokens replicated": dict(data=2, fsdp=1, pipeline=1, expert=4,
+                                                   tensor=1)}
+RULES = dict(DEFAULT_RULES, batch=["data", "fsdp"])
 W_AXES = [("experts", "embed", "expert_mlp")] * 2 + [("experts", "expert_mlp", "embed")]
 
 
@@ -66,7 +70,8 @@ def test_all_to_all_equals_one_device_under_worst_case_routing(mesh, grouped_mat
     y_ref, _, g_ref = jax.jit(functools.partial(_loss_and_grads, cfg))(x, idx, weights, wg, wu,
                                                                        wd)
     sizes = MESHES[mesh]
-    with use_mesh(make_mesh(sizes), DEFAULT_RULES):
+    replicated = mesh.endswith("replicated")
+    with use_mesh(make_mesh(sizes), RULES if replicated else DEFAULT_RULES):
         tok = [jax.device_put(a, named(("batch", "seq", None))) for a in (x, idx, weights)]
         ws = [jax.device_put(w, named(a)) for w, a in zip((wg, wu, wd), W_AXES, strict=True)]
         y, stats, grads = jax.jit(functools.partial(_loss_and_grads, cfg))(*tok, *ws)
@@ -77,10 +82,12 @@ def test_all_to_all_equals_one_device_under_worst_case_routing(mesh, grouped_mat
     # rounds by definition: T local tokens per batch shard, all K assignments of a source go
     # to shard 0 (2+ experts a shard) or 1 per destination (one expert a shard)
     ep = sizes["expert"]
-    t = B * S // (sizes["data"] * sizes["fsdp"] * ep)
-    cap = math.ceil(1.5 * t * K / ep)
+    t = B * S // (sizes["data"] * sizes["fsdp"] * (1 if replicated else ep))
+    group = 1 if replicated else ep  # replicated tokens: each shard keeps its own experts'
+    cap = math.ceil(1.5 * t * K / group)
     pair = t * K if E // ep >= 2 else t
-    assert float(stats["dispatch_rounds"]) == math.ceil(pair / cap) > 1
+    assert float(stats["dispatch_rounds"]) == math.ceil(pair / cap)
+    assert replicated or math.ceil(pair / cap) > 1  # (nothing travels when replicated)
     assert float(stats["dropped_fraction"]) == 0.0
 
 
