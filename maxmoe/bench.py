@@ -195,7 +195,8 @@ def result(run: dict, base: np.ndarray, steps: int, peak: tuple[float, str]) -> 
         "system_cpu_s_per_step": run["system_s"] / steps,
         "mesh": setup.mesh_shape,
         "loss": float(metrics["loss"]),
-        "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)), **run["memory"],
+        "dropped_fraction": float(metrics.get("dropped_fraction", 0.0)),
+        "dispatch_rounds": float(metrics.get("dispatch_rounds", 0.0)), **run["memory"],
         **device_peak_bytes(),
     }
 

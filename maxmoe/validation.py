@@ -123,6 +123,15 @@ def check_moe(e: MoEConfig, need: Need) -> None:
     need(e.grouped_matmul in ("auto", "ragged_dot", "blocked"), "moe.grouped_matmul",
          "unknown grouped matmul", "use auto, ragged_dot or blocked")
     need(e.block_size >= 0, "moe.block_size", "must be >= 0", "use 0 (auto) or e.g. 128")
+    need(e.transport != "two_level", "moe.transport", "two_level is not built yet",
+         "use auto, all_gather or all_to_all")
+    need(e.transport in ("auto", "all_gather", "all_to_all"), "moe.transport", "unknown transport",
+         "use auto, all_gather or all_to_all")
+    need(e.transport == "auto" or e.dispatch == "dropless", "moe.transport",
+         "moe.dispatch=capacity moves its slot buffers with its own all-to-all",
+         "set moe.transport=auto or moe.dispatch=dropless")
+    need(e.transport_buffer_factor > 0, "moe.transport_buffer_factor", "must be > 0",
+         "use e.g. 1.5 (more slots per round: fewer rounds, bigger buffers)")
     need(e.drop_policy in ("position", "probability"), "moe.drop_policy", "unknown policy",
          "use position or probability")
     need(e.router in ("softmax", "sigmoid"), "moe.router", "unknown router",

@@ -79,6 +79,14 @@ wait $PLAN_PID
 BENCH_JSON=$(grep -l tokens_per_second "$OUT"/bench_h200*.json 2>/dev/null | head -n 1)
 $PY tools/plan_vs_measured.py "$OUT/plan_1xh200.txt" "${BENCH_JSON:-$OUT/bench_h200.json}" \
   --train-plan "$OUT/train_plan.json" > "$OUT/plan_vs_measured.txt" 2>&1
+# 6. the all-to-all transport's kernels alone (expert axis of size 1 on one GPU: still a
+#    ragged_all_to_all each way) against the all-gather transport, random and worst-case
+#    routing; last and only with the time left of the 540 s call
+A2A="--tokens 4096 --dim 1024 --ffn 512 --experts 64 --topk 6"
+[ "${GPU_CHECK_DRY:-0}" = 1 ] && A2A="--tokens 256 --dim 64 --ffn 32 --experts 8 --topk 2"
+if [ "$SECONDS" -lt 470 ]; then
+  timeout $(( 530 - SECONDS )) $PY tools/check_all_to_all.py $A2A > "$OUT/all_to_all.txt" 2>&1
+fi
 tail -n 3 "$OUT"/*.txt "$OUT"/*.json
 head -n 9 "$OUT/plan_vs_measured.txt"
 tail -n 25 "$OUT"/bench_h200*.log

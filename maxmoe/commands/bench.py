@@ -100,6 +100,7 @@ def run(args) -> int:
     from maxmoe.bench import PROFILE_STEPS, benchmark, memory_line
     from maxmoe.metrics.profile import table
     from maxmoe.model.spec import describe_pipeline
+    from maxmoe.parallel.dispatch import describe_transport
 
     r = benchmark(cfg, sizes, steps=args.steps, warmup=args.warmup, profile_dir=args.profile)
     gib = 2.0 ** 30
@@ -119,9 +120,8 @@ def run(args) -> int:
     if "device_peak_bytes" in r:
         lines.append(f"device peak    {r['device_peak_bytes'] / gib:.3f} GiB in use at most "
                      "(the device's own count)")
-    pipeline_line = describe_pipeline(cfg.model, sizes["pipeline"])
-    if pipeline_line:
-        lines.append(pipeline_line)
+    lines += [line for line in (describe_pipeline(cfg.model, sizes["pipeline"]),
+                                describe_transport(cfg, sizes)) if line]
     if "profile" in r:
         lines += [f"profile        {PROFILE_STEPS} unlogged steps traced into {args.profile} "
                   "(TensorBoard/Perfetto); time per step by part:", table(r["profile"])]

@@ -30,50 +30,76 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     (blocked on CPU, ragged_dot elsewhere; the current mesh's devices decide, see
     sharding.mesh_platform).
     """
-    if grouped_matmul == "auto":  # XLA:CPU lowers ragged_dot densely; GPUs have a grouped GEMM
-        grouped_matmul = "blocked" if mesh_platform() == "cpu" else "ragged_dot"
-    t, k = expert_idx.shape
-    n, num_local = t * k, w_gate.shape[0]
+    grouped_matmul = resolve_kernel(grouped_matmul)
+    k, num_local = expert_idx.shape[1], w_gate.shape[0]
     scope = jax.named_scope  # the profile's MoE parts (blocked: no separate combine)
-    with scope("dispatch"):
-        local = expert_idx.reshape(-1) - first_expert  # [T*K]
-        key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others last
-        order = _stable_argsort(key, num_local + 1)
-        sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-    if grouped_matmul == "ragged_dot":
+    if grouped_matmul == "blocked":
         with scope("dispatch"):
-            x = x.reshape(-1, x.shape[-1])
-            token = order // k
-            xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
-        with scope("grouped_matmul"):
-            h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes))
-                 * jax.lax.ragged_dot(xs, w_up, sizes))
-            out = jax.lax.ragged_dot(h, w_down, sizes).astype(jnp.float32)
-        with scope("combine"):
-            out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
-            # K contributions per token are summed in float32 before the cast back
-            return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+            token, row_weight, bounds = blocked_rows(expert_idx, weights, first_expert,
+                                                     num_local, block_size)
+        with scope("grouped_matmul"):  # gathers, weights and scatters block by block itself
+            return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds)
+    with scope("dispatch"):  # ragged_dot
+        _, order, sizes = _by_expert(expert_idx, first_expert, num_local)
+        x = x.reshape(-1, x.shape[-1])
+        token = order // k
+        xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
+    with scope("grouped_matmul"):
+        h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes))
+             * jax.lax.ragged_dot(xs, w_up, sizes))
+        out = jax.lax.ragged_dot(h, w_down, sizes).astype(jnp.float32)
+    with scope("combine"):
+        out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+        # K contributions per token are summed in float32 before the cast back
+        return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
+
+
+def resolve_kernel(grouped_matmul: str) -> str:
+    """moe.grouped_matmul with auto resolved: blocked on CPU (XLA:CPU lowers ragged_dot
+    densely), ragged_dot elsewhere (GPUs have a grouped GEMM); the current mesh's devices
+    decide (sharding.mesh_platform)."""
+    if grouped_matmul == "auto":
+        return "blocked" if mesh_platform() == "cpu" else "ragged_dot"
+    return grouped_matmul
+
+
+def _by_expert(expert_idx, first_expert, num_local: int):
+    """(key [T K]: local expert of each assignment, num_local for other shards' experts;
+    order [T K]: the assignments sorted by key, stable; sizes [num_local]: rows per expert)."""
+    local = expert_idx.reshape(-1) - first_expert  # [T*K]
+    key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # others last
+    order = _stable_argsort(key, num_local + 1)
+    sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
+    return key, order, sizes
+
+
+def blocked_rows(expert_idx, weights, first_expert, num_local: int, block_size: int):
+    """The row blocks `block_expert_mlp` runs: expert_idx, weights [T, K] (global expert ids)
+    -> (token [N, bs] int32, row_weight [N, bs] float32, bounds [num_local + 1] int32), the
+    assignments of experts [first_expert, first_expert + num_local) sorted by expert, each
+    expert padded to whole blocks of block_size rows (0: auto, 16-128 rows)."""
+    t, k = expert_idx.shape
+    n = t * k
+    key, order, sizes = _by_expert(expert_idx, first_expert, num_local)
     if block_size <= 0:  # auto: about a quarter of an even share per block, 16-128 rows
         block_size = int(min(128, max(16, 2 ** int(math.log2(max(n // (4 * num_local), 1))))))
     rows = -(-(n + num_local * (block_size - 1)) // block_size) * block_size  # worst case
     blocks = rows // block_size
-    with scope("dispatch"):
-        # slot of sorted row i of expert e = padded_start[e] + rank of i within e
-        padded = (sizes + block_size - 1) // block_size * block_size
-        padded_end = jnp.cumsum(padded)
-        sorted_key = key[order]
-        e = jnp.minimum(sorted_key, num_local - 1)
-        rank = jnp.arange(n) - (jnp.cumsum(sizes) - sizes)[e]
-        slot = jnp.where(sorted_key < num_local, padded_end[e] - padded[e] + rank, -1)
-        assignment = jnp.full((rows,), n, jnp.int32).at[jnp.where(slot >= 0, slot, rows)].set(
-            order, mode="drop")  # (token, k) assignment held by each slot; n = empty slot
-        token = jnp.where(assignment < n, assignment // k, 0).reshape(blocks, block_size)
-        row_weight = jnp.concatenate([weights.reshape(-1).astype(jnp.float32),
-                                      jnp.zeros((1,), jnp.float32)])[assignment]
-        row_weight = row_weight.reshape(blocks, block_size)
-        bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), padded_end // block_size])
-    with scope("grouped_matmul"):  # gathers, weights and scatters block by block itself
-        return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds)
+    # slot of sorted row i of expert e = padded_start[e] + rank of i within e
+    padded = (sizes + block_size - 1) // block_size * block_size
+    padded_end = jnp.cumsum(padded)
+    sorted_key = key[order]
+    e = jnp.minimum(sorted_key, num_local - 1)
+    rank = jnp.arange(n) - (jnp.cumsum(sizes) - sizes)[e]
+    slot = jnp.where(sorted_key < num_local, padded_end[e] - padded[e] + rank, -1)
+    assignment = jnp.full((rows,), n, jnp.int32).at[jnp.where(slot >= 0, slot, rows)].set(
+        order, mode="drop")  # (token, k) assignment held by each slot; n = empty slot
+    token = jnp.where(assignment < n, assignment // k, 0).reshape(blocks, block_size)
+    row_weight = jnp.concatenate([weights.reshape(-1).astype(jnp.float32),
+                                  jnp.zeros((1,), jnp.float32)])[assignment]
+    row_weight = row_weight.reshape(blocks, block_size)
+    bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), padded_end // block_size])
+    return token, row_weight, bounds
 
 
 def _stable_argsort(key, num_keys: int):
@@ -133,9 +159,13 @@ def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
     return y, res
 
 
-def _block_expert_mlp_bwd(res, gy):
-    x, token, row_weight, w_gate, w_up, w_down, bounds = res
-    shape, x, gy = x.shape, x.reshape(-1, x.shape[-1]), jnp.asarray(gy)
+def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_down, bounds):
+    """block_expert_mlp's backward into float32 accumulators acc = (dx [T, D], d row_weight
+    [N, bs], d w_gate, d w_up, d w_down) (their shapes as the inputs'): returns acc with the
+    gradients added (d row_weight: set for the blocks in use, the rest kept). gy [T, D]: the output's cotangent. A caller that runs the kernel several
+    times on the same weights (parallel/dispatch.py's rounds) sums the weight gradients here,
+    in place, instead of in a second weight-sized buffer."""
+    x, gy = x.reshape(-1, x.shape[-1]), jnp.asarray(gy)
     f = w_down.shape[1]
 
     def expert(e, carry):
@@ -165,10 +195,15 @@ def _block_expert_mlp_bwd(res, gy):
             return (dx, drw, dwg.at[e].add(gwgu[:, :f]), dwu.at[e].add(gwgu[:, f:]),
                     dwd.at[e].add(jnp.dot(hw.T, g, preferred_element_type=jnp.float32)))
         return _over_blocks(bounds[e], bounds[e + 1], block, carry)
-    zeros = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
-    dx, drw, dwg, dwu, dwd = jax.lax.fori_loop(0, w_down.shape[0], expert, (
-        zeros(x), zeros(row_weight), zeros(w_gate), zeros(w_up), zeros(w_down)))
-    return (dx.astype(x.dtype).reshape(shape), None, drw.astype(row_weight.dtype),
+    return jax.lax.fori_loop(0, w_down.shape[0], expert, tuple(acc))
+
+
+def _block_expert_mlp_bwd(res, gy):
+    x, token, row_weight, w_gate, w_up, w_down, bounds = res
+    zeros = tuple(jnp.zeros((math.prod(x.shape[:-1]), x.shape[-1]) if a is x else a.shape,
+                            jnp.float32) for a in (x, row_weight, w_gate, w_up, w_down))
+    dx, drw, dwg, dwu, dwd = block_expert_mlp_accumulate(zeros, gy, *res)
+    return (dx.astype(x.dtype).reshape(x.shape), None, drw.astype(row_weight.dtype),
             dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype), dwd.astype(w_down.dtype), None)
 
 

@@ -38,9 +38,10 @@ class MoE(nnx.Module):
         # named for the save_named / offload_named remat policies (transformer.py)
         idx, weights = (checkpoint_name(t, "moe_dispatch") for t in (idx, weights))
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        y, aux["dropped_fraction"] = routed_experts(
+        y, stats = routed_experts(
             x, shard(idx, ("batch", "seq", None)), shard(weights, ("batch", "seq", None)),
             c(self.gate), c(self.up), c(self.down), self.cfg)
+        aux.update(stats)  # dropped_fraction, dispatch_rounds
         y = checkpoint_name(y, "moe_combine")
         if self.shared is not None:
             with jax.named_scope("shared_experts"):

@@ -232,7 +232,8 @@ class Transformer(nnx.Module):
             metrics.update(balance_loss=balance, z_loss=z, sequence_balance_loss=sequence_balance,
                            expert_load=load, expert_load_max=jnp.max(load),
                            expert_load_mean=jnp.mean(load), expert_load_min=jnp.min(load),
-                           dropped_fraction=jnp.mean(aux["dropped_fraction"]))
+                           dropped_fraction=jnp.mean(aux["dropped_fraction"]),
+                           dispatch_rounds=jnp.max(aux["dispatch_rounds"]))
             metrics["activation_rms"] = aux["activation_rms"]
         metrics["loss"] = total
         return total, metrics

@@ -1,23 +1,24 @@
 """Routed-expert computation, expert-parallel over the mesh: dropless or capacity-bounded.
 
 Inside `shard_map` every device holds its batch shard of tokens and E/ep of the experts
-(ep = size of the mesh axes the logical `experts` axis maps to).
+(ep = size of the mesh axes the logical `experts` axis maps to). `routed_experts` builds the
+shard_map and hands the tokens to a dispatcher (parallel/dispatch.py, one class per strategy):
 
-- dropless: tokens are all-gathered over the expert axis, each device sorts the (token, k)
-  assignments that hit its own experts, runs them as a grouped matmul (kernels/grouped_matmul.py:
-  `lax.ragged_dot` on GPU; on CPU `block_expert_mlp`, a loop over per-expert row blocks that
-  gathers, computes and scatters in one; nothing dropped whatever the imbalance) and
-  reduce-scatters the partial outputs back to the token owners. This all-gather/reduce-scatter
-  form needs no ragged all-to-all (absent on XLA:CPU), moves each token once rather than once
-  per k, and wins for small expert axes.
-- capacity: every device packs its own assignments into fixed slots per expert
-  (GShard/Switch), exchanges them with one all-to-all over the expert axis, runs dense batched
-  matmuls and sends results back with a second all-to-all. Slots are counted per sequence
-  (capacity_for), so which assignments are dropped does not depend on the layout. Overflowing
-  assignments are dropped, by arrival order ("position") or lowest router weight first
-  ("probability").
+- dropless, moe.transport all_gather (`AllGather`): tokens are all-gathered over the expert
+  axis, each device runs the (token, k) assignments that hit its own experts as a grouped
+  matmul (kernels/grouped_matmul.py) and reduce-scatters the partial outputs back. Moves each
+  token once rather than once per k; buffers of T ep rows, so it suits small expert axes.
+- dropless, moe.transport all_to_all (`AllToAll`): each assignment goes once to its expert's
+  shard and back, in rounds of a fixed slot count per (source, destination) pair; buffers of
+  c T K rows whatever ep; nothing dropped (skew runs extra rounds).
+- capacity (`Capacity`, here beside `capacity_dispatch`): every device packs its own
+  assignments into `capacity` slots per expert (GShard/Switch), exchanges them with one
+  all-to-all over the expert axis, runs dense batched matmuls and sends results back with a
+  second all-to-all. Slots are counted per sequence (capacity_for), so which assignments are
+  dropped does not depend on the layout. Overflowing assignments are dropped, by arrival order ("position") or
+  lowest router weight first ("probability").
 
-Both return (y [B, S, D], dropped fraction of (token, k) assignments on this batch).
+All return (y [B, S, D], stats: dropped fraction of (token, k) assignments, exchange rounds).
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import MoEConfig
-from maxmoe.kernels.grouped_matmul import dropless_local
+from maxmoe.parallel.dispatch import (
+    AllGather,
+    AllToAll,
+    Dispatched,
+    Dispatcher,
+    ExpertShards,
+    choose_transport,
+)
 from maxmoe.sharding import current_mesh, mesh_axes
 
 
@@ -104,67 +112,96 @@ def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConf
 def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig):
     """x [B, S, D]; expert_idx, weights [B, S, K]; expert weights [E, D, F] / [E, F, D].
 
-    Returns (y [B, S, D] in x.dtype, dropped fraction). Without a mesh or on a one-device
-    mesh no shard_map is built: its transpose would all-reduce the expert weight gradients
-    over the size-1 axes, which XLA:CPU runs as copies.
+    Returns (y [B, S, D] in x.dtype, stats): stats["dropped_fraction"] (of the (token, k)
+    assignments) and stats["dispatch_rounds"] (exchange rounds the transport ran, max over
+    devices). Picks the dispatcher (parallel/dispatch.py) by moe.dispatch and moe.transport.
+    Without a mesh or on a one-device mesh no shard_map is built: its transpose would
+    all-reduce the expert weight gradients over the size-1 axes, which XLA:CPU runs as copies.
     """
     b, s, d = x.shape
     total = b * s * expert_idx.shape[-1]
-    if current_mesh() is None or current_mesh().size == 1:
-        xf, idx, w = x.reshape(-1, d), expert_idx.reshape(b * s, -1), weights.reshape(b * s, -1)
-        if cfg.dispatch == "capacity":
-            y, dropped = capacity_dispatch(xf, idx, w, w_gate, w_up, w_down, cfg, s)
-        else:
-            # x itself, not xf: the same array as the router's input, one residual for both
-            y = dropless_local(x, idx, w, w_gate, w_up, w_down, 0,
-                               grouped_matmul=cfg.grouped_matmul, block_size=cfg.block_size)
-            dropped = 0
-        return y.astype(x.dtype).reshape(b, s, d), jnp.asarray(dropped, jnp.float32) / total
+    mesh = current_mesh()
+    if mesh is None or mesh.size == 1:
+        idx, w = expert_idx.reshape(b * s, -1), weights.reshape(b * s, -1)
+        dispatcher = Capacity(cfg, seq_len=s) if cfg.dispatch == "capacity" else AllGather(cfg)
+        # x itself, not reshaped: the same array as the router's input, one residual for both
+        y, dropped, rounds = dispatcher(x, idx, w, w_gate, w_up, w_down)
+        return y.astype(x.dtype).reshape(b, s, d), _stats(dropped, rounds, total)
 
     batch, ep, tp = mesh_axes("batch"), mesh_axes("experts"), mesh_axes("expert_mlp")
-    gathered = tuple(a for a in ep if a in batch)  # tokens of these shards meet the experts
+    # (stage axes excluded: under the pipeline's vmap each stage has its own tokens)
+    others = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in batch
+                   and a not in mesh_axes("stage"))
+    shards = ExpertShards(axes=ep, sizes=tuple(mesh.shape[a] for a in ep),
+                          gathered=tuple(a for a in ep if a in batch),
+                          sync=tuple(a for a in batch + others if a in mesh.axis_names))
+    dispatcher = _dispatcher(cfg, shards, mesh, s)
     replicated = tuple(a for a in ep if a not in batch)  # tokens already present everywhere
     tok = P(batch or None, None, None)
     wspec_in = P(ep or None, None, tp or None)
     wspec_out = P(ep or None, tp or None, None)
-    capacity_mode = cfg.dispatch == "capacity"
 
     # check_vma off: under the pipeline's vmap (spmd_axis_name) the varying-axes inference
     # wrongly flags outputs as varying over the stage axis; the equivalence tests pin the specs
     @functools.partial(jax.shard_map, in_specs=(tok, tok, tok, wspec_in, wspec_in, wspec_out),
-                       out_specs=(tok, P()), check_vma=False)
+                       out_specs=(tok, P(), P()), check_vma=False)
     def body(x, idx, w, wg, wu, wd):
         b, s, d = x.shape
-        xf, idx, w = x.reshape(-1, d), idx.reshape(b * s, -1), w.reshape(b * s, -1)
-        first = jax.lax.axis_index(ep) * wg.shape[0] if ep else 0
-        dropped = jnp.zeros((), jnp.int32)
-        if capacity_mode:
-            if replicated:  # every shard sees every token: keep the slots of its own experts
-                y, dropped = capacity_dispatch(xf, idx, w, *_padded_local(wg, wu, wd, first, cfg),
-                                               cfg, s)
-            else:
-                y, dropped = capacity_dispatch(xf, idx, w, wg, wu, wd, cfg, s,
-                                               exchange=_exchange(gathered))
-        else:
-            if gathered:
-                xf, idx, w = (jax.lax.all_gather(a, gathered, axis=0, tiled=True)
-                              for a in (xf, idx, w))
-            y = dropless_local(xf, idx, w, wg, wu, wd, first,
-                               grouped_matmul=cfg.grouped_matmul, block_size=cfg.block_size)
-            if gathered:
-                y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
+        y, dropped, rounds = dispatcher(x.reshape(-1, d), idx.reshape(b * s, -1),
+                                        w.reshape(b * s, -1), wg, wu, wd)
         if replicated + tp:
             y = jax.lax.psum(y, replicated + tp)
         # each batch shard counts its own tokens once; other axes hold identical counts
         dropped = jax.lax.psum(dropped, batch) if batch else dropped
-        # (stage axes excluded: under the pipeline's vmap each stage has its own tokens)
-        others = tuple(a for a in current_mesh().axis_names
-                       if a not in batch and a not in mesh_axes("stage"))
         dropped = jax.lax.pmax(dropped, others) if others else dropped
-        return y.astype(x.dtype).reshape(b, s, d), dropped
+        rounds = jax.lax.pmax(rounds, batch + others) if batch + others else rounds
+        return y.astype(x.dtype).reshape(b, s, d), dropped, rounds
 
-    y, dropped = body(x, expert_idx, weights, w_gate, w_up, w_down)
-    return y, dropped.astype(jnp.float32) / total
+    y, dropped, rounds = body(x, expert_idx, weights, w_gate, w_up, w_down)
+    return y, _stats(dropped, rounds, total)
+
+
+def _stats(dropped, rounds, total: int) -> dict:
+    return {"dropped_fraction": jnp.asarray(dropped, jnp.float32) / total,
+            "dispatch_rounds": jnp.asarray(rounds, jnp.float32)}
+
+
+def _dispatcher(cfg: MoEConfig, shards: ExpertShards, mesh, seq_len: int) -> Dispatcher:
+    """The dispatcher of moe.dispatch / moe.transport on this mesh (auto: choose_transport with
+    the hosts the expert axes span, counted from the devices' processes)."""
+    if cfg.dispatch == "capacity":
+        return Capacity(cfg, shards, seq_len)
+    ep = math.prod(shards.sizes)
+    # the processes along the expert axes, seen from the first device of the other axes
+    along = mesh.devices[tuple(slice(None) if a in shards.axes else 0 for a in mesh.axis_names)]
+    hosts = len({d.process_index for d in along.flat})
+    transport = choose_transport(cfg, ep, hosts)
+    return AllToAll(cfg, shards) if transport == "all_to_all" else AllGather(cfg, shards)
+
+
+class Capacity(Dispatcher):
+    """Capacity-bounded slots per expert (GShard/Switch), the overflow dropped
+    (`capacity_dispatch`, slots per sequence of seq_len tokens); one all-to-all of [E, C, D]
+    slot buffers each way."""
+
+    def __init__(self, cfg: MoEConfig, shards: ExpertShards | None = None, seq_len: int = 0):
+        super().__init__(cfg, shards)
+        self.seq_len = seq_len
+
+    def __call__(self, x, expert_idx, weights, w_gate, w_up, w_down) -> Dispatched:
+        cfg, shards = self.cfg, self.shards
+        x = x.reshape(-1, x.shape[-1])
+        if any(a not in shards.gathered for a in shards.axes):
+            # tokens replicated over some expert axes: every shard keeps its own experts' slots
+            first = shards.first_expert(w_gate.shape[0])
+            y, dropped = capacity_dispatch(x, expert_idx, weights,
+                                           *_padded_local(w_gate, w_up, w_down, first, cfg), cfg,
+                                           self.seq_len)
+        else:
+            exchange = _exchange(shards.gathered) if shards.gathered else None
+            y, dropped = capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg,
+                                           self.seq_len, exchange=exchange)
+        return Dispatched(y, jnp.asarray(dropped, jnp.int32), jnp.ones((), jnp.int32))
 
 
 def _exchange(axes):

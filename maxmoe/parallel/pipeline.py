@@ -27,8 +27,9 @@ from maxmoe.model.spec import PipelineSchedule
 from maxmoe.sharding import current_mesh, mesh_axes, shard
 
 # aux values summed over microbatches (then averaged); other per-token outputs are dropped
+# (dispatch_rounds: the mean over microbatches of each layer's rounds)
 _AUX_KEYS = ("balance_loss", "z_loss", "sequence_balance_loss", "expert_load", "activation_rms",
-             "dropped_fraction")
+             "dropped_fraction", "dispatch_rounds")
 
 
 def num_stages() -> int:

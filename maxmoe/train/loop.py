@@ -170,8 +170,9 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     total = cfg.train.steps
     shape = " x ".join(f"{k}={v}" for k, v in setup.mesh_shape.items()) or "1 device"
     log(f"mesh {shape}; run dir {run_dir}; steps {start} -> {total}")
-    if setup.pipeline_line:
-        log(setup.pipeline_line)
+    for line in (setup.pipeline_line, setup.transport_line):
+        if line:
+            log(line)
     if start >= total:
         preemption.restore()
         ckpt.close()

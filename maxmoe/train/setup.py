@@ -11,6 +11,7 @@ import dataclasses
 from maxmoe.config import Config
 from maxmoe.metrics.flops import flops_per_token
 from maxmoe.model.spec import describe_pipeline
+from maxmoe.parallel.dispatch import describe_transport
 from maxmoe.sharding import make_mesh
 from maxmoe.train.step import Trainer, make_trainer
 from maxmoe.validation import dcn_sizes
@@ -34,6 +35,11 @@ class RunSetup:
     def pipeline_line(self) -> str | None:
         """The pipeline's start-up line (layers pipelined, bubble), None without stages."""
         return describe_pipeline(self.cfg.model, self.mesh_sizes["pipeline"])
+
+    @property
+    def transport_line(self) -> str | None:
+        """The MoE dispatch's start-up line (transport and why), None without an expert axis."""
+        return describe_transport(self.cfg, self.mesh_sizes)
 
 
 def prepare_run(cfg: Config, mesh_sizes: dict[str, int], devices=None) -> RunSetup:

@@ -28,6 +28,7 @@ from maxmoe.config import Config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.spec import layer_groups
 from maxmoe.model.transformer import build_model
+from maxmoe.parallel.dispatch import resolve_transport
 from maxmoe.sharding import named, spec, state_shardings, use_mesh
 from maxmoe.train.guards import StepGuard, select
 from maxmoe.train.optimizer import learning_rate_schedule, make_optimizer
@@ -108,6 +109,7 @@ def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
 
 
 def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
+    cfg = resolve_transport(cfg, dict(mesh.shape))  # moe.transport=auto: the layout's choice
     rules = cfg.mesh.rules
     layout = state_layout(cfg, mesh)
     graphdef, optimizer, shardings = layout.graphdef, layout.optimizer, layout.shardings

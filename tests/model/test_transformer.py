@@ -81,8 +81,8 @@ def test_dropless_keeps_every_token_when_all_route_to_one_expert():
     weights = jnp.ones((2, 8, 2)) * 0.5
     w = 0.3 * jax.random.normal(jax.random.key(2), (4, 16, 8))
     wd = 0.3 * jax.random.normal(jax.random.key(3), (4, 8, 16))
-    y, dropped = routed_experts(x, idx, weights, w, w, wd, small_config()[0].moe)
-    assert float(dropped) == 0.0
+    y, stats = routed_experts(x, idx, weights, w, w, wd, small_config()[0].moe)
+    assert float(stats["dropped_fraction"]) == 0.0
     h = lambda e: jax.nn.silu(x @ w[e]) * (x @ w[e]) @ wd[e]  # noqa: E731
     np.testing.assert_allclose(y, 0.5 * h(0) + 0.5 * h(1), rtol=1e-5, atol=1e-5)
 

@@ -42,15 +42,18 @@ def _skewed():
 def _run(cfg, mesh_sizes=None):
     x, idx, weights = _skewed()
     wg, wu, wd = _weights()
+    run = jax.jit(lambda *a: routed_experts(*a, cfg))
     if mesh_sizes is None:
-        return jax.jit(lambda *a: routed_experts(*a, cfg))(x, idx, weights, wg, wu, wd)
+        y, stats = run(x, idx, weights, wg, wu, wd)
+        return y, stats["dropped_fraction"]
     mesh = make_mesh(mesh_sizes)
     with use_mesh(mesh, DEFAULT_RULES):
         args = (jax.device_put(a, named(("batch", "seq", None))) for a in (x, idx, weights))
         wargs = [jax.device_put(w, named(axes)) for w, axes in
                  zip((wg, wu, wd), [("experts", "embed", "expert_mlp")] * 2
                      + [("experts", "expert_mlp", "embed")], strict=True)]
-        return jax.jit(lambda *a: routed_experts(*a, cfg))(*args, *wargs)
+        y, stats = run(*args, *wargs)
+        return y, stats["dropped_fraction"]
 
 
 MESHES = {"one device": None,
