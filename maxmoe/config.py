@@ -228,7 +228,9 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 200  # optimizer steps
-    grad_accum_steps: int = 1  # microbatches per optimizer step (global batch is split)
+    # microbatches per optimizer step: the global batch is split, each microbatch's loss weighted
+    # by its loss tokens, so the step equals the unsplit batch's (train/step.py, make_gradients)
+    grad_accum_steps: int = 1
     seed: int = 0  # parameter init seed
     eval_every_steps: int = 0  # validation loss every N steps (ranks checkpoint.keep_best); 0 = off
     eval_batches: int = 4  # validation batches per evaluation

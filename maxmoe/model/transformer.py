@@ -9,6 +9,7 @@ params apart instead and unrolls the layers (faster for a few layers; not with p
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,32 @@ def run_stack(stack, x, segment_ids, positions, *, remat: str,
     return run(graphdef, state, x, segment_ids, positions)
 
 
+class LossShare(NamedTuple):
+    """How one microbatch's losses count toward its optimizer step's (gradient accumulation).
+
+    Each cross-entropy is divided by the whole step's loss tokens rather than its own, which
+    weights the microbatch's mean by n_m / N: the microbatches' losses then sum to the loss of
+    the whole batch. The router losses are means over positions (padding included) or rows;
+    every microbatch has the same number of both, so each counts 1 / microbatches."""
+    step_tokens: jax.Array  # [1 + mtp_depth] float32, loss_token_counts of the whole step
+    microbatches: int
+
+
+def mtp_mask(batch: dict, k: int) -> jax.Array:
+    """[B, S] float32: 1 where MTP depth k has a target at position i (token i+k+1 is a loss
+    token and lies in the same packed document as position i)."""
+    same_doc = shift_left(batch["segment_ids"], k, fill=-1) == batch["segment_ids"]
+    return shift_left(batch["loss_mask"].astype(jnp.float32), k) * same_doc
+
+
+def loss_token_counts(batch: dict, mtp_depth: int) -> jax.Array:
+    """[1 + mtp_depth] float32: the loss tokens of `batch` for the main cross-entropy, then
+    for each MTP depth k = 1..mtp_depth (the denominators of their means)."""
+    masks = [batch["loss_mask"].astype(jnp.float32)]
+    masks += [mtp_mask(batch, k) for k in range(1, mtp_depth + 1)]
+    return jnp.stack([jnp.sum(m) for m in masks])
+
+
 def _join(auxs: list[dict], key: str):
     return jnp.concatenate([a[key] for a in auxs if key in a], axis=0)
 
@@ -189,66 +216,71 @@ class Transformer(nnx.Module):
             logits = lm_head_matmul(x, self.lm_head[...].astype(self.dtype))
             return shard(logits, ("batch", "seq", "act_vocab"))
 
-    def _lm_loss(self, x, targets, mask, norm: RMSNorm | None = None) -> jax.Array:
-        """Mean cross-entropy over the real targets (mask) of the LM head on x [B, S, D];
-        model.lm_loss_chunk > 0 runs head and loss chunk by chunk (kernels/lm_loss.py)."""
+    def _lm_loss(self, x, targets, mask, norm: RMSNorm | None = None,
+                 tokens: jax.Array | None = None) -> jax.Array:
+        """Cross-entropy of the LM head on x [B, S, D] summed over the real targets (mask),
+        divided by `tokens` (default: their count); model.lm_loss_chunk > 0 runs head and loss
+        chunk by chunk (kernels/lm_loss.py)."""
         chunk = self.cfg.lm_loss_chunk
         if not chunk:
-            return _cross_entropy(self.logits(x, norm), targets, mask)
+            return _cross_entropy(self.logits(x, norm), targets, mask, tokens)
         with jax.named_scope("lm_head"):
             h = (norm or self.final_norm)(x)
             total = chunked_lm_loss(h, self.lm_head[...].astype(self.dtype), targets, mask,
                                     chunk)
-        return total / jnp.maximum(jnp.sum(mask), 1.0)
+        return total / jnp.maximum(jnp.sum(mask) if tokens is None else tokens, 1.0)
 
     def __call__(self, tokens, segment_ids, positions):
         """tokens [B, S] -> (logits [B, S, V] float32, aux stacked per MoE layer)."""
         x, aux = self.hidden(tokens, segment_ids, positions)
         return self.logits(x), aux
 
-    def loss(self, batch: dict) -> tuple[jax.Array, dict]:
-        """Mean next-token cross-entropy over real targets + MoE auxiliary losses (+ MTP)."""
+    def loss(self, batch: dict, share: LossShare | None = None) -> tuple[jax.Array, dict]:
+        """Mean next-token cross-entropy over real targets + MoE auxiliary losses (+ MTP).
+
+        share: this batch is one microbatch of a step (LossShare): the losses and their metrics
+        are its weighted part, which summed over the step's microbatches give the whole batch's.
+        """
         x, aux = self.hidden(batch["tokens"], batch["segment_ids"], batch["positions"])
         mask = batch["loss_mask"].astype(jnp.float32)
-        ce = self._lm_loss(x, batch["targets"], mask)
+        tokens = None if share is None else share.step_tokens
+        ce = self._lm_loss(x, batch["targets"], mask, tokens=None if tokens is None else tokens[0])
         total = ce
         metrics = {"ce_loss": ce}
         if "dense_activation_rms" in aux:  # [L_dense]; MoE layers' RMS follow below
             metrics["dense_activation_rms"] = aux["dense_activation_rms"]
         if self.mtp is not None:
-            mtp_loss, mtp_aux = self._mtp_loss(x, batch)
+            mtp_loss, mtp_aux = self._mtp_loss(x, batch, None if tokens is None else tokens[1:])
             total = total + self.cfg.mtp_loss_weight * mtp_loss
             metrics["mtp_loss"] = mtp_loss
             if "expert_load" in aux and "expert_load" in mtp_aux:
                 aux = {k: jnp.concatenate([aux[k], mtp_aux[k]]) for k in aux
                        if k in mtp_aux}
         if "balance_loss" in aux:
-            e = self.moe_cfg
-            balance, z = jnp.mean(aux["balance_loss"]), jnp.mean(aux["z_loss"])
-            sequence_balance = jnp.mean(aux["sequence_balance_loss"])
+            e, part = self.moe_cfg, 1.0 if share is None else 1.0 / share.microbatches
+            balance, z = jnp.mean(aux["balance_loss"]) * part, jnp.mean(aux["z_loss"]) * part
+            sequence_balance = jnp.mean(aux["sequence_balance_loss"]) * part
             total = (total + e.aux_loss_weight * balance + e.z_loss_weight * z
                      + e.sequence_balance_loss_weight * sequence_balance)
             load = aux["expert_load"]  # [L, E] (token, k) slots per expert
             metrics.update(balance_loss=balance, z_loss=z, sequence_balance_loss=sequence_balance,
-                           expert_load=load, expert_load_max=jnp.max(load),
-                           expert_load_mean=jnp.mean(load), expert_load_min=jnp.min(load),
-                           dropped_fraction=jnp.mean(aux["dropped_fraction"]),
+                           expert_load=load, **load_summary(load),
+                           dropped_fraction=jnp.mean(aux["dropped_fraction"]) * part,
                            dispatch_rounds=jnp.max(aux["dispatch_rounds"]))
             metrics["activation_rms"] = aux["activation_rms"]
         metrics["loss"] = total
         return total, metrics
 
-    def _mtp_loss(self, x, batch):
-        """Mean over depths k = 1..D of the CE of predicting token i+k+1 at position i."""
+    def _mtp_loss(self, x, batch, step_tokens=None):
+        """Mean over depths k = 1..D of the CE of predicting token i+k+1 at position i; each
+        CE divided by step_tokens[k - 1] when given (LossShare), else by its own tokens."""
         tokens, segment_ids, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
         losses, auxs = [], []
         for k, layer in enumerate(self.mtp, start=1):
             x, aux = layer(x, self.embed(shift_left(tokens, k)), segment_ids, positions)
-            # a target counts only if it lies in the same packed document as position i
-            same_doc = shift_left(segment_ids, k, fill=-1) == segment_ids
-            mask = shift_left(batch["loss_mask"].astype(jnp.float32), k) * same_doc
-            losses.append(self._lm_loss(x, shift_left(batch["targets"], k), mask,
-                                        layer.final_norm))
+            losses.append(self._lm_loss(x, shift_left(batch["targets"], k), mtp_mask(batch, k),
+                                        layer.final_norm,
+                                        None if step_tokens is None else step_tokens[k - 1]))
             auxs.append({key: value[None] for key, value in aux.items()})
         joined = {key: _join(auxs, key) for key in auxs[0]}
         return jnp.mean(jnp.stack(losses)), joined
@@ -301,10 +333,18 @@ def _lm_head_bwd(res, g):
 lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
 
 
+def load_summary(load: jax.Array) -> dict:
+    """expert_load [L, E] -> its max, mean and min (the logged expert_load_* metrics)."""
+    return {"expert_load_max": jnp.max(load), "expert_load_mean": jnp.mean(load),
+            "expert_load_min": jnp.min(load)}
+
+
 @jax.named_scope("loss")
-def _cross_entropy(logits, targets, mask):
+def _cross_entropy(logits, targets, mask, tokens=None):
+    """Summed cross-entropy over mask's tokens / `tokens` (default: mask's own count)."""
     # on [tokens, vocab]: XLA:CPU's loop fusions index a 3-D [B, S, V] array with a broadcast
     # [B, S] row statistic markedly slower (docs/performance.md, Other ops of the step)
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return jnp.sum(ce * mask.reshape(-1)) / jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum(ce * mask.reshape(-1)) / jnp.maximum(
+        jnp.sum(mask) if tokens is None else tokens, 1.0)

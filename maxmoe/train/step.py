@@ -27,7 +27,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from maxmoe.config import Config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.spec import layer_groups
-from maxmoe.model.transformer import build_model
+from maxmoe.model.transformer import LossShare, build_model, load_summary, loss_token_counts
 from maxmoe.parallel.dispatch import resolve_transport
 from maxmoe.sharding import named, spec, state_shardings, use_mesh
 from maxmoe.train.guards import StepGuard, select
@@ -191,14 +191,49 @@ def update_ratios(new_params, params) -> jax.Array:
     return jnp.concatenate(ratios)
 
 
+# how microbatch metrics combine into the step's under gradient accumulation (accumulated)
+SUMMED = ("loss", "ce_loss", "mtp_loss", "balance_loss", "z_loss", "sequence_balance_loss",
+          "dropped_fraction", "expert_load")
+ROOT_MEAN_SQUARE = ("activation_rms", "dense_activation_rms")
+
+
+def accumulated(metrics: dict) -> dict:
+    """Metrics stacked over microbatches [A, ...] (each from the model's loss under a
+    LossShare) -> the whole step's, the values one unsplit batch gives:
+
+    - SUMMED: the loss terms and dropped_fraction, already weighted by the share (tokens for
+      cross-entropies, 1 / A for position means), and expert_load, a count;
+    - expert_load_max / _mean / _min: recomputed from the summed load (a max of microbatch
+      maxima would not be the step's);
+    - ROOT_MEAN_SQUARE: the residual RMS per layer, root of the mean square over microbatches
+      (each holds the same number of positions);
+    - anything else: the mean over microbatches."""
+    out = {}
+    for key, value in metrics.items():
+        if key in SUMMED:
+            out[key] = jnp.sum(value, axis=0)
+        elif key in ROOT_MEAN_SQUARE:
+            out[key] = jnp.sqrt(jnp.mean(jnp.square(value), axis=0))
+        else:
+            out[key] = jnp.mean(value, axis=0)
+    if "expert_load" in out:
+        out.update(load_summary(out["expert_load"]))
+    return out
+
+
 def make_gradients(cfg: Config, graphdef, micro_spec: P):
-    """(params, batch, buffers, scale_state) -> (grads, metrics) averaged over
-    train.grad_accum_steps microbatches (a scan), the loss scaled under float16."""
+    """(params, batch, buffers, scale_state) -> (grads, metrics) of the whole batch, computed
+    over train.grad_accum_steps microbatches (a scan), the loss scaled under float16.
+
+    Each microbatch's loss is weighted by its share of the step (LossShare: loss tokens for
+    the cross-entropies), so the summed gradients equal the unsplit batch's; exactly so for
+    every loss term but the Switch balance loss (moe.aux_loss_weight), a product of batch
+    means, which becomes the mean of the microbatches' balance losses."""
     accum = cfg.train.grad_accum_steps
     scaler = make_loss_scaler(cfg.precision)
 
-    def loss_fn(params, batch, buffers, scale_state):
-        loss, metrics = nnx.merge(graphdef, params, *buffers).loss(batch)
+    def loss_fn(params, batch, buffers, scale_state, share=None):
+        loss, metrics = nnx.merge(graphdef, params, *buffers).loss(batch, share)
         if scaler is not None:  # float16: scale so small gradients survive the backward pass
             loss = scaler.scale(loss, scale_state)
         return loss, metrics
@@ -214,16 +249,15 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P):
             x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
             return jax.lax.with_sharding_constraint(x, P(*micro_spec[: x.ndim]))
 
-        def body(acc, micro):
-            (_, metrics), grads = grad_fn(params, micro, buffers, scale_state)
-            return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+        share = LossShare(loss_token_counts(batch, cfg.model.mtp_depth), accum)
 
-        micro = jax.tree.map(split, batch)
-        (_, metric_shapes), grad_shapes = jax.eval_shape(
-            grad_fn, params, jax.tree.map(lambda x: x[0], micro), buffers, scale_state)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (grad_shapes, metric_shapes))
-        (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
-        return jax.tree.map(lambda x: x / accum, (grads, metrics))
+        def body(acc, micro):
+            (_, metrics), grads = grad_fn(params, micro, buffers, scale_state, share)
+            return jax.tree.map(jnp.add, acc, grads), metrics
+
+        grads, metrics = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params),
+                                      jax.tree.map(split, batch))
+        return grads, accumulated(metrics)
 
     return gradients
 
