@@ -171,6 +171,8 @@ def _dispatcher(cfg: MoEConfig, shards: ExpertShards, mesh, seq_len: int) -> Dis
     the hosts the expert axes span, counted from the devices' processes)."""
     if cfg.dispatch == "capacity":
         return Capacity(cfg, shards, seq_len)
+    if not shards.axes:  # experts not split: every shard runs them all, nothing travels
+        return AllGather(cfg, shards)
     ep = math.prod(shards.sizes)
     # the processes along the expert axes, seen from the first device of the other axes
     along = mesh.devices[tuple(slice(None) if a in shards.axes else 0 for a in mesh.axis_names)]
