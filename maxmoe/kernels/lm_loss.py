@@ -73,9 +73,10 @@ def _bwd(chunk, res, g):
                         preferred_element_type=jnp.float32)
         dw = dw + jnp.einsum("bcd,bcv->dv", xc, dlogits.astype(xc.dtype),
                              preferred_element_type=jnp.float32)
-        return dw, dx.astype(x.dtype)
+        # split like the head itself: the float32 sum is the head's size, not per device
+        return shard(dw, ("embed", "vocab")), dx.astype(x.dtype)
 
-    dw, dx = jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32),
+    dw, dx = jax.lax.scan(body, shard(jnp.zeros(w.shape, jnp.float32), ("embed", "vocab")),
                           (_chunks(x, chunk), _chunks(targets, chunk), _chunks(mask, chunk), lse))
     dx = jnp.moveaxis(dx, 0, 1).reshape(x.shape)
     return dx, dw.astype(w.dtype), None, None
