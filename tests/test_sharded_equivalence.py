@@ -4,9 +4,11 @@ Reference: the same model and batch on a single CPU device, float32. Tolerance: 
 1e-5 relative; every gradient within rtol 1e-4, atol 1e-6 (observed ~3e-8: only the order of
 float32 reductions differs between layouts).
 
-Pipeline layouts split the batch into microbatches; the Switch balance loss is a product of
-per-batch means, so it differs between a batch and the mean over its microbatches. Their
-reference therefore turns that loss off (its value is checked by the other layouts).
+Pipeline layouts split the batch into microbatches. Their runs keep every router loss on, at
+weights large enough to move the router gradients past the tolerance if a loss were formed per
+microbatch: the Switch balance loss is built from the batch's summed load and mean affinity,
+the sequence-wise loss and the z-loss are means of per-row / per-token terms
+(model/router.py), so pipelined and unpipelined steps optimise the same loss.
 """
 
 import jax
@@ -28,7 +30,9 @@ LAYOUTS = {
     "data4_tensor2": ["mesh.tensor=2"],
     "expert4_tensor2": ["mesh.expert=4", "mesh.tensor=2"],
 }
-PIPELINE = ["model.num_layers=5", "moe.aux_loss_weight=0.0"]  # 1 dense + 4 MoE layers
+PIPELINE = ["model.num_layers=5",  # 1 dense + 4 MoE layers; every router loss on
+            "moe.aux_loss_weight=0.1", "moe.z_loss_weight=0.01",
+            "moe.sequence_balance_loss_weight=0.1"]
 PIPELINE_LAYOUTS = {
     "pipeline2_data4": ["mesh.pipeline=2"],
     "pipeline4_data2": ["mesh.pipeline=4"],

@@ -20,7 +20,7 @@ from maxmoe.model.attention import make_attention
 from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
-from maxmoe.model.router import updated_bias
+from maxmoe.model.router import switch_balance_loss, updated_bias
 from maxmoe.model.spec import PipelineSchedule, layer_groups, pipeline_schedule
 from maxmoe.parallel.pipeline import num_stages, run_pipeline
 from maxmoe.sharding import shard
@@ -209,9 +209,11 @@ class Transformer(nnx.Module):
             if "expert_load" in aux and "expert_load" in mtp_aux:
                 aux = {k: jnp.concatenate([aux[k], mtp_aux[k]]) for k in aux
                        if k in mtp_aux}
-        if "balance_loss" in aux:
+        if "expert_load" in aux:
             e = self.moe_cfg
-            balance, z = jnp.mean(aux["balance_loss"]), jnp.mean(aux["z_loss"])
+            # from the batch's summed load and mean affinity (router.switch_balance_loss)
+            balance = jnp.mean(switch_balance_loss(aux["expert_load"], aux["router_affinity"]))
+            z = jnp.mean(aux["z_loss"])
             sequence_balance = jnp.mean(aux["sequence_balance_loss"])
             total = (total + e.aux_loss_weight * balance + e.z_loss_weight * z
                      + e.sequence_balance_loss_weight * sequence_balance)

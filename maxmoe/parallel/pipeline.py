@@ -13,8 +13,11 @@ iteration, which is exactly what the next pass of a circular schedule needs when
 The schedule's arithmetic (P, V, M, bubble, which groups) is model/spec.py's PipelineSchedule.
 
 Weights are stored in natural layer order, sharded over the pipeline axis in contiguous
-blocks; circular needs chunk order (v, p), so each step regroups them (an all-to-all of the
-pipelined weights, like an FSDP gather). Balance losses are averaged over microbatches.
+blocks; circular needs chunk order (v, p), so each step regroups them (`stage_layout`:
+collective permutes that send each chunk once, like an FSDP gather in bytes). Only the stage
+dim of the weights is constrained: their other dims keep their expert / fsdp / tensor split. The MoE aux values are summed (expert load) or averaged
+over microbatches, which gives exactly the whole batch's: the balance losses are built from
+them after the pipeline (model/router.py).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from maxmoe.model.spec import PipelineSchedule
-from maxmoe.sharding import current_mesh, mesh_axes, shard
+from maxmoe.sharding import current_mesh, mesh_axes, param_axes, shard, spec
 
-# aux values summed over microbatches (then averaged); other per-token outputs are dropped
-_AUX_KEYS = ("balance_loss", "z_loss", "sequence_balance_loss", "expert_load", "activation_rms",
-             "dropped_fraction")
+# aux values summed over microbatches (then averaged, expert_load kept a sum); other per-token
+# outputs are dropped. Each is a sum or a mean over equal groups of rows (model/router.py), so
+# the results equal the whole batch's.
+_AUX_KEYS = ("z_loss", "sequence_balance_loss", "expert_load", "router_affinity",
+             "activation_rms", "dropped_fraction")
 
 
 def num_stages() -> int:
@@ -41,6 +46,79 @@ def num_stages() -> int:
     return n
 
 
+def _constrain(a: jax.Array, logical: tuple) -> jax.Array:
+    """with_sharding_constraint by logical names, dropping axes that do not divide a dim (as
+    the params' own shardings do); identity without a mesh."""
+    if current_mesh() is None:
+        return a
+    return jax.lax.with_sharding_constraint(a, spec(logical, shape=a.shape))
+
+
+def chunk_permutes(stages: int, repeats: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """The collective permutes that move natural-order layer blocks to stage order.
+
+    Stored, stage q holds chunks q V + u (u < V) of a stack in natural order; circular stage p
+    needs chunks v P + p (v < V). Returns (u, v, [(q, p), ...]) for every (u, v) that moves
+    a chunk: chunk q V + u of q becomes pass v on p = q V + u - v P. Each (u, v) pairs distinct
+    sources with distinct destinations (a partial permutation), and every (p, v) receives once.
+    """
+    out = []
+    for v in range(repeats):
+        for u in range(repeats):
+            pairs = [(q, q * repeats + u - v * stages) for q in range(stages)
+                     if 0 <= q * repeats + u - v * stages < stages]
+            if pairs:
+                out.append((u, v, pairs))
+    return out
+
+
+def _stage_order(a: jax.Array, logical: tuple, stages: int, repeats: int) -> jax.Array:
+    """[L, ...] in natural layer order -> [L, ...] in stage order: rows p L/P ... (p+1) L/P - 1
+    hold stage p's chunks v P + p, v = 0..V-1, in pass order.
+
+    With the layer dim split over the stage axes (contiguous blocks, as stored) the chunks move
+    with `chunk_permutes` inside a shard_map, each chunk sent once; XLA's partitioner, asked for
+    the same regrouping as a reshape and transpose, replicated the whole stack on every device
+    first. A layer dim that is whole on every stage is regrouped locally."""
+    if repeats == 1:
+        return a
+    layers = a.shape[0]
+    chunk = layers // (stages * repeats)
+    stage_axes = mesh_axes("stage")
+    pspec = spec(logical, shape=a.shape) if current_mesh() is not None else None
+    lead = pspec[0] if pspec is not None and len(pspec) else None
+    if not stage_axes or lead not in (stage_axes, stage_axes[0] if len(stage_axes) == 1 else None):
+        a = a.reshape(repeats, stages, chunk, *a.shape[1:]).swapaxes(0, 1)
+        return a.reshape(layers, *a.shape[3:])
+    axis = stage_axes[0] if len(stage_axes) == 1 else stage_axes
+
+    def regroup(local):  # [V Lc, ...]: this stage's stored chunks q V + u
+        passes = []
+        for v in range(repeats):
+            got = None
+            for u, w, pairs in chunk_permutes(stages, repeats):
+                if w == v:
+                    moved = jax.lax.ppermute(local[u * chunk:(u + 1) * chunk], axis, pairs)
+                    got = moved if got is None else got + moved
+            passes.append(got)
+        return jnp.concatenate(passes, axis=0)
+
+    # check_vma off as in parallel/experts.py (the pipeline's vmap confuses its inference)
+    return jax.shard_map(regroup, in_specs=pspec, out_specs=pspec, check_vma=False)(a)
+
+
+def stage_layout(state, stages: int, repeats: int):
+    """Stacked layer params [L, ...] (natural order, as stored) -> [P, V, Lc, ...]: stage p,
+    pass v holds chunk v P + p. The trailing dims keep their own sharding (expert, fsdp,
+    tensor): only the stage dim is constrained, so no weight is gathered whole."""
+    def one(var):
+        a, logical = var.get_value(), param_axes(var)
+        a = _stage_order(a, logical, stages, repeats)
+        a = a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:])
+        return var.replace(_constrain(a, ("stage", None, None, *logical[1:])))
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: PipelineSchedule):
     """x [B, S, D] through all layers of `stack` (leading dim L) on the pipeline, as
     `schedule` (its stages = this mesh's; schedule.pipelines(L)) says.
@@ -51,14 +129,9 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
     stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
     graphdef, state = nnx.split(stack)
     layers = jax.tree.leaves(state)[0].shape[0]
-    chunk = layers // (stages * repeats)
     b = x.shape[0]
 
-    # [L, ...] -> [V, P, Lc, ...]: chunk c = v P + p; stage dim on the pipeline axis
-    def to_chunks(a):
-        a = a.reshape(repeats, stages, chunk, *a.shape[1:])
-        return shard(a, (None, "stage") + (None,) * (a.ndim - 2))
-    chunks = jax.tree.map(to_chunks, state)
+    stage_params = stage_layout(state, stages, repeats)  # [P, V, Lc, ...]
 
     def split(a):  # [B, ...] -> [M, B/M, ...]; microbatch j takes rows j, j + M, ...
         a = a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)
@@ -71,7 +144,6 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
                               stage_chunks)
         return run_layers(graphdef, params, h, seg, pos)
 
-    stage_params = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), chunks)  # [P, V, Lc, ...]
     stage_axes = mesh_axes("stage")
     all_stages = jax.vmap(stage_step, spmd_axis_name=stage_axes[0] if len(stage_axes) == 1
                           else (stage_axes or None))
