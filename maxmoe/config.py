@@ -45,9 +45,13 @@ class ModelConfig:
     dense_layer_indices: list[int] = field(default_factory=list)  # also dense (Qwen3 mlp_only_layers)
     mtp_depth: int = 0  # multi-token prediction depths D after the trunk (DeepSeek-V3: 1); 0 = off
     mtp_loss_weight: float = 0.3  # lambda: the loss adds lambda / D * sum of the D depth losses
-    pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches = stages)
-    pipeline_microbatches: int = 0  # gpipe microbatches per step; 0 = number of stages
+    pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches >= P)
+    pipeline_microbatches: int = 0  # microbatches per step; 0 = number of stages
     pipeline_repeats: int = 2  # circular: layer chunks per stage (bubble shrinks V times)
+    # layers of each chunk of the pipelined group in schedule order (gpipe: one per stage;
+    # circular: stages x repeats, chunk v*stages + p on stage p); [] = as even as possible.
+    # Unequal chunks are padded to the largest with masked identity slots (model/spec.py)
+    pipeline_stage_layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,12 @@ PIPELINE_LAYOUTS = {
                                        "model.pipeline_microbatches=4"],
     "pipeline2_tensor2_circular": ["mesh.pipeline=2", "mesh.tensor=2",
                                    "model.pipeline_schedule=circular"],
+    # unequal stages: 3 + 1 MoE layers, the second stage padded with two identity slots
+    "pipeline2_expert2_fsdp2_layers31": ["mesh.pipeline=2", "mesh.expert=2", "mesh.fsdp=2",
+                                         "model.pipeline_stage_layers=[3,1]"],
+    # circular with more microbatches than stages (outputs wait for stage 0's next pass)
+    "pipeline2_circular_micro4": ["mesh.pipeline=2", "model.pipeline_schedule=circular",
+                                  "model.pipeline_microbatches=4"],
 }
 # capacity mode with factor = num_experts has a slot for every assignment: nothing is dropped,
 # so it must equal the dropless single-device reference too

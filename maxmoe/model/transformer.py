@@ -86,14 +86,22 @@ def _stack(n: int, make, rngs: nnx.Rngs, per_layer: bool = False):
                      for i in range(n)])
 
 
-def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str):
-    """Applies stacked layers (state leaves [L, ...]) in order with lax.scan."""
-    def body(h, layer_state):
+def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str, mask=None):
+    """Applies stacked layers (state leaves [L, ...]) in order with lax.scan. mask [L] bool
+    (the pipeline's padding slots, parallel/pipeline.py): a False layer passes x through."""
+    def layer(h, layer_state):
         return nnx.merge(graphdef, layer_state)(h, segment_ids, positions)
+
+    def masked(h, layer_state_and_keep):
+        layer_state, keep = layer_state_and_keep
+        y, aux = layer(h, layer_state)
+        return jnp.where(keep, y, h), aux
+
+    body = layer if mask is None else masked
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, state)
+    return jax.lax.scan(body, x, state if mask is None else (state, mask))
 
 
 def run_blocks(blocks, x, segment_ids, positions, *, remat: str):

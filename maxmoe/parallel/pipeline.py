@@ -5,11 +5,11 @@ c = v P + p runs on stage p. All stages run at once as one `vmap` over the stage
 mapped onto the pipeline mesh axis (`spmd_axis_name`), so XLA partitions it and every stage
 keeps its own weights; between iterations the activations move one stage along the ring
 (a collective permute). Iteration t, stage p works on virtual microbatch i = t - p:
-microbatch i mod M on its pass i div M. The last stage's output feeds stage 0 on the next
-iteration, which is exactly what the next pass of a circular schedule needs when M = P.
+microbatch i mod M on its pass i div M. The last stage's outputs are kept per microbatch;
+stage 0 reads a microbatch's back for its next pass M - P + 1 iterations later (M >= P).
 
 - gpipe (V = 1): any M; bubble (P - 1) / (M + P - 1).
-- circular (V > 1, M = P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
+- circular (V > 1, M >= P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
 The schedule's arithmetic (P, V, M, bubble, which groups) is model/spec.py's PipelineSchedule.
 
 Weights are stored in natural layer order, sharded over the pipeline axis in contiguous
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from maxmoe.model.spec import PipelineSchedule
@@ -54,67 +55,90 @@ def _constrain(a: jax.Array, logical: tuple) -> jax.Array:
     return jax.lax.with_sharding_constraint(a, spec(logical, shape=a.shape))
 
 
-def chunk_permutes(stages: int, repeats: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
-    """The collective permutes that move natural-order layer blocks to stage order.
+def slot_permutes(table: list[list[int]], block: int) -> list[tuple[int, int, int, list]]:
+    """The collective permutes that move a stack stored in natural order to the stage slots.
 
-    Stored, stage q holds chunks q V + u (u < V) of a stack in natural order; circular stage p
-    needs chunks v P + p (v < V). Returns (u, v, [(q, p), ...]) for every (u, v) that moves
-    a chunk: chunk q V + u of q becomes pass v on p = q V + u - v P. Each (u, v) pairs distinct
-    sources with distinct destinations (a partial permutation), and every (p, v) receives once.
-    """
-    out = []
-    for v in range(repeats):
-        for u in range(repeats):
-            pairs = [(q, q * repeats + u - v * stages) for q in range(stages)
-                     if 0 <= q * repeats + u - v * stages < stages]
-            if pairs:
-                out.append((u, v, pairs))
+    table[p][s]: the natural layer in slot s of stage p, -1 for padding (PipelineSchedule.
+    slot_table). Stored, stage q holds layers q block ... q block + block - 1. Returns
+    (r, s, n, [(q, p), ...]): rows r..r+n-1 of every source q go to slots s..s+n-1 of its p.
+    Each entry pairs distinct sources with distinct destinations (a partial permutation), every
+    real slot receives once, and runs of neighbouring layers with the same pairs are merged
+    (equal circular chunks move as whole chunks)."""
+    moves: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for p, row in enumerate(table):
+        for slot, layer in enumerate(row):
+            if layer >= 0:
+                q, r = divmod(layer, block)
+                moves.setdefault((r, slot), []).append((q, p))
+    out: list[tuple[int, int, int, list]] = []
+    for r, slot in sorted(moves, key=lambda rs: (rs[1] - rs[0], rs[0])):  # diagonals together
+        pairs = sorted(moves[r, slot])
+        if out and out[-1][3] == pairs and (out[-1][0] + out[-1][2], out[-1][1] + out[-1][2]) \
+                == (r, slot):
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1, pairs)
+        else:
+            out.append((r, slot, 1, pairs))
     return out
 
 
-def _stage_order(a: jax.Array, logical: tuple, stages: int, repeats: int) -> jax.Array:
-    """[L, ...] in natural layer order -> [L, ...] in stage order: rows p L/P ... (p+1) L/P - 1
-    hold stage p's chunks v P + p, v = 0..V-1, in pass order.
+def _lead_axes(pspec) -> tuple:
+    lead = pspec[0] if pspec is not None and len(pspec) else None
+    return () if lead is None else (lead,) if isinstance(lead, str) else tuple(lead)
 
-    With the layer dim split over the stage axes (contiguous blocks, as stored) the chunks move
-    with `chunk_permutes` inside a shard_map, each chunk sent once; XLA's partitioner, asked for
-    the same regrouping as a reshape and transpose, replicated the whole stack on every device
-    first. A layer dim that is whole on every stage is regrouped locally."""
-    if repeats == 1:
-        return a
+
+def _stage_slots(a: jax.Array, logical: tuple, table: list[list[int]]) -> jax.Array:
+    """[L, ...] in natural layer order -> [P S, ...]: rows p S ... p S + S - 1 hold stage p's
+    slots as `table` [P][S] names them, zeros in padding slots.
+
+    With the layer dim split over the stage axes (contiguous blocks, as stored) the layers move
+    with `slot_permutes` inside a shard_map, each sent once; XLA's partitioner, asked for the
+    same regrouping as a reshape and transpose, replicated the whole stack on every device
+    first. A layer dim whole on every stage (e.g. 58 layers on 16 stages: the stored split
+    needs P | L) is picked locally, each stage taking its own slots."""
+    index = np.asarray(table)
+    stages, width = index.shape
     layers = a.shape[0]
-    chunk = layers // (stages * repeats)
+    if np.array_equal(index.reshape(-1), np.arange(layers)):
+        return a  # equal gpipe chunks: the stored order already is the stage order
     stage_axes = mesh_axes("stage")
     pspec = spec(logical, shape=a.shape) if current_mesh() is not None else None
-    lead = pspec[0] if pspec is not None and len(pspec) else None
-    if not stage_axes or lead not in (stage_axes, stage_axes[0] if len(stage_axes) == 1 else None):
-        a = a.reshape(repeats, stages, chunk, *a.shape[1:]).swapaxes(0, 1)
-        return a.reshape(layers, *a.shape[3:])
     axis = stage_axes[0] if len(stage_axes) == 1 else stage_axes
+    used = {x for entry in (pspec or ()) if entry for x in ((entry,) if isinstance(entry, str)
+                                                             else entry)}
+    keep = jnp.asarray(index.reshape(-1) >= 0).reshape(-1, *([1] * (a.ndim - 1)))
+    if stage_axes and _lead_axes(pspec) == tuple(stage_axes):
+        def regroup(local):  # [L/P, ...]: this stage's stored layers
+            out = jnp.zeros((width, *local.shape[1:]), local.dtype)
+            for r, slot, n, pairs in slot_permutes(table, layers // stages):
+                moved = local[r:r + n]
+                if pairs != [(q, q) for q in range(stages)]:
+                    moved = jax.lax.ppermute(moved, axis, pairs)
+                out = out.at[slot:slot + n].add(moved)
+            return out
+        # check_vma off as in parallel/experts.py (the pipeline's vmap confuses its inference)
+        return jax.shard_map(regroup, in_specs=pspec, out_specs=pspec, check_vma=False)(a)
+    rows = jnp.asarray(np.maximum(index, 0))
+    if stage_axes and not used & set(stage_axes):
+        def pick(whole):  # [L, ...] on every stage: take this stage's slots
+            q = jax.lax.axis_index(axis)
+            mine = jnp.take(whole, rows[q], axis=0)
+            return jnp.where(keep.reshape(stages, width, *keep.shape[1:])[q], mine, 0)
+        out_spec = jax.sharding.PartitionSpec(axis, *pspec[1:])
+        return jax.shard_map(pick, in_specs=pspec, out_specs=out_spec, check_vma=False)(a)
+    return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
 
-    def regroup(local):  # [V Lc, ...]: this stage's stored chunks q V + u
-        passes = []
-        for v in range(repeats):
-            got = None
-            for u, w, pairs in chunk_permutes(stages, repeats):
-                if w == v:
-                    moved = jax.lax.ppermute(local[u * chunk:(u + 1) * chunk], axis, pairs)
-                    got = moved if got is None else got + moved
-            passes.append(got)
-        return jnp.concatenate(passes, axis=0)
 
-    # check_vma off as in parallel/experts.py (the pipeline's vmap confuses its inference)
-    return jax.shard_map(regroup, in_specs=pspec, out_specs=pspec, check_vma=False)(a)
+def stage_layout(state, table: list[list[int]], repeats: int):
+    """Stacked layer params [L, ...] (natural order, as stored) -> [P, V, slots, ...]: stage p,
+    pass v, slot k holds layer table[p][v slots + k] (zeros for padding). The trailing dims
+    keep their own sharding (expert, fsdp, tensor): only the stage dim is constrained, so no
+    weight is gathered whole."""
+    stages, width = len(table), len(table[0])
 
-
-def stage_layout(state, stages: int, repeats: int):
-    """Stacked layer params [L, ...] (natural order, as stored) -> [P, V, Lc, ...]: stage p,
-    pass v holds chunk v P + p. The trailing dims keep their own sharding (expert, fsdp,
-    tensor): only the stage dim is constrained, so no weight is gathered whole."""
     def one(var):
         a, logical = var.get_value(), param_axes(var)
-        a = _stage_order(a, logical, stages, repeats)
-        a = a.reshape(stages, repeats, a.shape[0] // (stages * repeats), *a.shape[1:])
+        a = _stage_slots(a, logical, table)
+        a = a.reshape(stages, repeats, width // repeats, *a.shape[1:])
         return var.replace(_constrain(a, ("stage", None, None, *logical[1:])))
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -123,26 +147,31 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
     """x [B, S, D] through all layers of `stack` (leading dim L) on the pipeline, as
     `schedule` (its stages = this mesh's; schedule.pipelines(L)) says.
 
-    run_layers(graphdef, layer_state, h, segment_ids, positions) -> (h, aux stacked per layer)
-    runs a chunk of layers (scan + remat as configured). Returns (x, aux [L, ...]).
+    run_layers(graphdef, layer_state, h, segment_ids, positions, mask=None) -> (h, aux stacked
+    per layer) runs a chunk of layers (scan + remat as configured); mask [slots] bool, given
+    when chunks are unequal, makes the False slots identities. Returns (x, aux [L, ...]).
     """
     stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
     graphdef, state = nnx.split(stack)
     layers = jax.tree.leaves(state)[0].shape[0]
     b = x.shape[0]
 
-    stage_params = stage_layout(state, stages, repeats)  # [P, V, Lc, ...]
+    table = schedule.slot_table(layers)  # [P][V slots]: natural layer or -1 (padding)
+    stage_params = stage_layout(state, table, repeats)  # [P, V, slots, ...]
+    mask = np.asarray(table).reshape(stages, repeats, -1) >= 0
+    padded = not mask.all()
 
     def split(a):  # [B, ...] -> [M, B/M, ...]; microbatch j takes rows j, j + M, ...
         a = a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)
         return shard(a, (None, "batch") + (None,) * (a.ndim - 2))
     xs, segs, poss = split(x), split(segment_ids), split(positions)
 
-    def stage_step(stage_chunks, h, seg, pos, v):
-        """One stage: pick its chunk for pass v, run its layers."""
+    def stage_step(stage_chunks, stage_mask, h, seg, pos, v):
+        """One stage: pick its chunk for pass v, run its layers (padding slots masked)."""
         params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False),
                               stage_chunks)
-        return run_layers(graphdef, params, h, seg, pos)
+        slots = jax.lax.dynamic_index_in_dim(stage_mask, v, 0, keepdims=False)
+        return run_layers(graphdef, params, h, seg, pos, mask=slots if padded else None)
 
     stage_axes = mesh_axes("stage")
     all_stages = jax.vmap(stage_step, spmd_axis_name=stage_axes[0] if len(stage_axes) == 1
@@ -151,10 +180,11 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
     stage_index = jnp.arange(stages)
     buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
     out = jnp.zeros_like(xs)
+    mask = jnp.asarray(mask)
     aux_shapes = jax.eval_shape(lambda: all_stages(
-        stage_params, buf, jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
+        stage_params, mask, buf, jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
         jnp.zeros((stages, *poss.shape[1:]), poss.dtype), jnp.zeros((stages,), jnp.int32))[1])
-    # per stage and pass: [P, V, Lc, ...]
+    # per stage and pass: [P, V, slots, ...]
     aux_sum = {k: jnp.zeros((stages, repeats, *s.shape[1:]), jnp.float32)
                for k, s in aux_shapes.items() if k in _AUX_KEYS}
 
@@ -164,26 +194,37 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
         valid = (i >= 0) & (i < repeats * m)
         micro = jnp.clip(i, 0, repeats * m - 1) % m
         v = jnp.clip(i, 0, repeats * m - 1) // m
-        # stage 0 takes a fresh microbatch on the first pass, else what the ring brought
+        # stage 0 takes a fresh microbatch on the first pass, else the microbatch's output of
+        # the last stage's previous pass, kept in `out` since iteration t - M + P - 1 (M >= P)
         fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), 0, keepdims=False)
-        h_in = buf.at[0].set(jnp.where(t < m, fresh, buf[0]))
-        h, aux = all_stages(stage_params, h_in, segs[micro], poss[micro], v)
+        again = jax.lax.dynamic_index_in_dim(out, t % m, 0, keepdims=False)
+        h_in = buf.at[0].set(jnp.where(t < m, fresh, again))
+        h, aux = all_stages(stage_params, mask, h_in, segs[micro], poss[micro], v)
         weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
         aux_sum = {k: acc + jnp.einsum("pv,p...->pv...", weight, aux[k].astype(jnp.float32))
                    for k, acc in aux_sum.items()}
-        # the last stage finishing its final pass emits microbatch i - (V - 1) M
-        last = i[stages - 1] - (repeats - 1) * m
-        done = (last >= 0) & (last < m)
+        # the last stage's output of virtual microbatch i goes to out[i mod M]: read again by
+        # stage 0 for the next pass, and after the final pass it is the result
+        last = i[stages - 1]
+        done = (last >= 0) & (last < repeats * m)
         out = jnp.where(done, jax.lax.dynamic_update_index_in_dim(
-            out, h[stages - 1], jnp.clip(last, 0, m - 1), 0), out)
+            out, h[stages - 1], jnp.clip(last, 0, repeats * m - 1) % m, 0), out)
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
         return (buf, out, aux_sum), None
 
     (_, out, aux_sum), _ = jax.lax.scan(iteration, (buf, out, aux_sum),
                                         jnp.arange(schedule.iterations))
     y = out.swapaxes(0, 1).reshape(x.shape)
-    # aux [P, V, Lc, ...] summed over microbatches -> mean, in natural layer order [L, ...]
-    aux = {k: (a / m).swapaxes(0, 1).reshape(layers, *a.shape[3:]) for k, a in aux_sum.items()}
-    aux["expert_load"] = aux["expert_load"] * m if "expert_load" in aux else None  # a count
-    aux = {k: a for k, a in aux.items() if a is not None}
-    return shard(y, ("batch", "seq", "act_embed")), aux
+    return shard(y, ("batch", "seq", "act_embed")), _natural_aux(aux_sum, table, m)
+
+
+def _natural_aux(aux_sum: dict, table: list[list[int]], m: int) -> dict:
+    """aux [P, V, slots, ...] summed over m microbatches -> the mean (expert_load: the sum) of
+    each real layer, in natural layer order [L, ...]; padding slots dropped."""
+    flat = np.asarray(table).reshape(-1)
+    where = jnp.asarray(np.argsort(np.where(flat >= 0, flat, flat.size))[:int((flat >= 0).sum())])
+    out = {}
+    for k, a in aux_sum.items():
+        a = jnp.take(a.reshape(-1, *a.shape[3:]), where, axis=0)
+        out[k] = a if k == "expert_load" else a / m  # the load stays a count
+    return out

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe.parallel.pipeline import _stage_order, chunk_permutes
+from maxmoe.model.spec import PipelineSchedule
+from maxmoe.parallel.pipeline import _stage_slots, slot_permutes
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
@@ -44,37 +45,57 @@ print("compiled", file=sys.stderr)
 """
 
 
-@pytest.mark.parametrize("stages, repeats", [(2, 2), (4, 2), (2, 4), (4, 3), (3, 2), (8, 2)])
-def test_chunk_permutes_deliver_every_chunk_once(stages, repeats):
-    """Simulated on plain lists: stage p, pass v receives exactly chunk v P + p."""
+def _table(stages, repeats, layers, split=()):
+    return PipelineSchedule("circular" if repeats > 1 else "gpipe", stages, repeats, stages,
+                            tuple(split)).slot_table(layers)
+
+
+@pytest.mark.parametrize("stages, repeats, layers, split", [
+    (2, 2, 4, ()), (4, 2, 16, ()), (2, 4, 16, ()), (4, 3, 24, ()), (8, 2, 32, ()),
+    (4, 1, 12, (2, 4, 3, 3)), (2, 2, 6, (1, 2, 2, 1)), (4, 2, 16, (3, 1, 2, 2, 2, 2, 2, 2))])
+def test_slot_permutes_deliver_every_layer_once(stages, repeats, layers, split):
+    """Simulated on plain lists: every real slot of the table receives its layer once, from
+    the stage that stores it; each permute pairs distinct sources with distinct targets."""
+    table = _table(stages, repeats, layers, split)
+    block = layers // stages
     got = {}
-    for u, v, pairs in chunk_permutes(stages, repeats):
+    for r, slot, n, pairs in slot_permutes(table, block):
         assert len({q for q, _ in pairs}) == len({p for _, p in pairs}) == len(pairs)
         for q, p in pairs:
-            assert (p, v) not in got
-            got[p, v] = q * repeats + u  # the chunk q stores at local position u
-    assert got == {(p, v): v * stages + p for p in range(stages) for v in range(repeats)}
+            for i in range(n):
+                assert (p, slot + i) not in got
+                got[p, slot + i] = q * block + r + i  # the layer q stores at row r + i
+    assert got == {(p, s): layer for p, row in enumerate(table) for s, layer in enumerate(row)
+                   if layer >= 0}
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_stage_order_on_a_mesh_equals_the_local_regrouping(stages):
-    """The shard_map of collective permutes (layer dim split over the stages) against the same
-    regrouping on one device (reshape + transpose); exact, it only moves values."""
+def test_equal_circular_chunks_move_as_whole_chunks():
+    """4 stages x 2 repeats of 2-layer chunks: each permute moves a whole chunk, V^2 at most."""
+    moves = slot_permutes(_table(4, 2, 16), 4)
+    assert {n for *_, n, _ in moves} == {2} and len(moves) <= 4
+
+
+@pytest.mark.parametrize("stages, layers, split", [
+    (2, 8, ()), (4, 16, ()), (4, 16, (3, 1, 2, 2, 2, 2, 2, 2)), (4, 10, ())])
+def test_stage_slots_on_a_mesh_equal_the_local_gather(stages, layers, split):
+    """The shard_map (collective permutes where the layer dim is split over the stages, a local
+    pick where 10 layers on 4 stages leave it whole) against a plain gather of the table on one
+    device, and its gradient against the scatter back; exact, it only moves values."""
     cfg, origins = small_config(f"mesh.pipeline={stages}", "mesh.fsdp=2",
-                                f"mesh.data={8 // stages // 2}", f"model.num_layers={1 + stages}")
-    repeats, layers = 2, 2 * 2 * stages
-    a = jnp.arange(layers * 4 * 3, dtype=jnp.float32).reshape(layers, 4, 3)
-    want = np.asarray(_stage_order(a, ("layers", "embed", None), stages, repeats))
-    order = want[:, 0, 0] // 12
-    chunk = layers // (stages * repeats)
-    assert list(order) == [(v * stages + p) * chunk + j for p in range(stages)
-                           for v in range(repeats) for j in range(chunk)]
+                                f"mesh.data={8 // stages // 2}", f"model.num_layers={1 + layers}")
+    table = _table(stages, 2, layers, split)
+    flat = np.asarray(table).reshape(-1)
+    a = jnp.arange(layers * 4 * 3, dtype=jnp.float32).reshape(layers, 4, 3) + 1
+    want = np.where(flat[:, None, None] >= 0, np.asarray(a)[np.maximum(flat, 0)], 0)
+    seed = np.random.default_rng(0).normal(size=want.shape).astype(np.float32)
+    want_grad = np.zeros(a.shape, np.float32)
+    np.add.at(want_grad, flat[flat >= 0], seed[flat >= 0])
+    logical = ("layers", "embed", None)
     with use_mesh(make_mesh(validate(cfg, 8, origins)), cfg.mesh.rules):
-        got = jax.jit(lambda x: _stage_order(x, ("layers", "embed", None), stages, repeats))(a)
-        grad = jax.jit(jax.grad(lambda x: jnp.sum(
-            _stage_order(x, ("layers", "embed", None), stages, repeats) * want)))(a)
+        got = jax.jit(lambda x: _stage_slots(x, logical, table))(a)
+        grad = jax.jit(jax.grad(lambda x: jnp.sum(_stage_slots(x, logical, table) * seed)))(a)
     np.testing.assert_array_equal(np.asarray(got), want)
-    np.testing.assert_array_equal(np.asarray(grad), np.asarray(a))  # the inverse permutation
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-6)
 
 
 @pytest.mark.slow
