@@ -22,6 +22,8 @@ them after the pipeline (model/router.py).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,51 +83,72 @@ def slot_permutes(table: list[list[int]], block: int) -> list[tuple[int, int, in
     return out
 
 
-def _lead_axes(pspec) -> tuple:
-    lead = pspec[0] if pspec is not None and len(pspec) else None
-    return () if lead is None else (lead,) if isinstance(lead, str) else tuple(lead)
+def _axes(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _stage_slots(a: jax.Array, logical: tuple, table: list[list[int]]) -> jax.Array:
     """[L, ...] in natural layer order -> [P S, ...]: rows p S ... p S + S - 1 hold stage p's
     slots as `table` [P][S] names them, zeros in padding slots.
 
-    With the layer dim split over the stage axes (contiguous blocks, as stored) the layers move
-    with `slot_permutes` inside a shard_map, each sent once; XLA's partitioner, asked for the
-    same regrouping as a reshape and transpose, replicated the whole stack on every device
-    first. A layer dim whole on every stage (e.g. 58 layers on 16 stages: the stored split
-    needs P | L) is picked locally, each stage taking its own slots."""
+    Each case moves every weight byte at most once, in a shard_map; XLA's partitioner, asked
+    for the same regrouping as a reshape and transpose, replicated the whole stack on every
+    device first. The layer dim split over the stage axes (contiguous blocks, as stored when
+    P | L): collective permutes (`slot_permutes`). The layer dim whole on every stage (e.g.
+    58 layers on 16 stages): each stage picks its slots, with no traffic, or, where another dim
+    is split over the stage axes (their minor part), an all-to-all hands each stage its slots'
+    slices. Anything else (no mesh; other splits): a plain gather."""
     index = np.asarray(table)
-    stages, width = index.shape
     layers = a.shape[0]
     if np.array_equal(index.reshape(-1), np.arange(layers)):
         return a  # equal gpipe chunks: the stored order already is the stage order
     stage_axes = mesh_axes("stage")
-    pspec = spec(logical, shape=a.shape) if current_mesh() is not None else None
-    axis = stage_axes[0] if len(stage_axes) == 1 else stage_axes
-    used = {x for entry in (pspec or ()) if entry for x in ((entry,) if isinstance(entry, str)
-                                                             else entry)}
-    keep = jnp.asarray(index.reshape(-1) >= 0).reshape(-1, *([1] * (a.ndim - 1)))
-    if stage_axes and _lead_axes(pspec) == tuple(stage_axes):
-        def regroup(local):  # [L/P, ...]: this stage's stored layers
-            out = jnp.zeros((width, *local.shape[1:]), local.dtype)
-            for r, slot, n, pairs in slot_permutes(table, layers // stages):
-                moved = local[r:r + n]
-                if pairs != [(q, q) for q in range(stages)]:
-                    moved = jax.lax.ppermute(moved, axis, pairs)
-                out = out.at[slot:slot + n].add(moved)
-            return out
-        # check_vma off as in parallel/experts.py (the pipeline's vmap confuses its inference)
-        return jax.shard_map(regroup, in_specs=pspec, out_specs=pspec, check_vma=False)(a)
-    rows = jnp.asarray(np.maximum(index, 0))
-    if stage_axes and not used & set(stage_axes):
+    pspec = tuple(spec(logical, shape=a.shape)) if current_mesh() is not None else ()
+    pspec = pspec + (None,) * (a.ndim - len(pspec))
+    # numpy constants: a jax array closed over by a shard_map body keeps the outer mesh
+    keep = (index.reshape(-1) >= 0).reshape(-1, *([1] * (a.ndim - 1)))
+    rows = np.maximum(index, 0)
+    if not stage_axes:
+        return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
+    axis = _entry(tuple(stage_axes))
+    where = [d for d, entry in enumerate(pspec) if set(_axes(entry)) & set(stage_axes)]
+    run = functools.partial(jax.shard_map, in_specs=jax.sharding.PartitionSpec(*pspec),
+                            check_vma=False)  # off as in parallel/experts.py (the vmap)
+    if where == [0] and _axes(pspec[0]) == tuple(stage_axes):
+        return run(functools.partial(_permute_rows, table=table, axis=axis),
+                   out_specs=jax.sharding.PartitionSpec(*pspec))(a)
+    if pspec[0] is None and not where:
         def pick(whole):  # [L, ...] on every stage: take this stage's slots
             q = jax.lax.axis_index(axis)
-            mine = jnp.take(whole, rows[q], axis=0)
-            return jnp.where(keep.reshape(stages, width, *keep.shape[1:])[q], mine, 0)
-        out_spec = jax.sharding.PartitionSpec(axis, *pspec[1:])
-        return jax.shard_map(pick, in_specs=pspec, out_specs=out_spec, check_vma=False)(a)
+            mine = jnp.take(whole, jnp.asarray(rows)[q], axis=0)
+            return jnp.where(jnp.asarray(keep.reshape(*index.shape, *keep.shape[1:]))[q], mine, 0)
+        return run(pick, out_specs=jax.sharding.PartitionSpec(axis, *pspec[1:]))(a)
+    d = where[0] if len(where) == 1 else None
+    if pspec[0] is None and d and _axes(pspec[d])[-len(stage_axes):] == tuple(stage_axes):
+        def exchange(local):  # [L, ...], dim d a slice: send each stage its slots of it
+            sent = jnp.where(keep, jnp.take(local, rows.reshape(-1), axis=0), 0)
+            return jax.lax.all_to_all(sent, axis, 0, d, tiled=True)
+        out = list(pspec)
+        out[0], out[d] = axis, _entry(_axes(pspec[d])[:-len(stage_axes)])
+        return run(exchange, out_specs=jax.sharding.PartitionSpec(*out))(a)
     return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
+
+
+def _permute_rows(local, *, table, axis):
+    """shard_map body: this stage's stored layers [L/P, ...] -> its slots [S, ...]."""
+    stages, width = len(table), len(table[0])
+    out = jnp.zeros((width, *local.shape[1:]), local.dtype)
+    for r, slot, n, pairs in slot_permutes(table, local.shape[0]):
+        moved = local[r:r + n]
+        if pairs != [(q, q) for q in range(stages)]:
+            moved = jax.lax.ppermute(moved, axis, pairs)
+        out = out.at[slot:slot + n].add(moved)
+    return out
 
 
 def stage_layout(state, table: list[list[int]], repeats: int):

@@ -18,7 +18,7 @@ import pytest
 
 from maxmoe.model.spec import PipelineSchedule
 from maxmoe.parallel.pipeline import _stage_slots, slot_permutes
-from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.sharding import current_mesh, make_mesh, spec, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
 
@@ -31,7 +31,7 @@ COMPILE = """
 import sys
 from maxmoe.config import load_config
 from maxmoe.plan.probe import abstract_batch
-from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.sharding import current_mesh, make_mesh, spec, use_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import validate
 
@@ -75,23 +75,28 @@ def test_equal_circular_chunks_move_as_whole_chunks():
     assert {n for *_, n, _ in moves} == {2} and len(moves) <= 4
 
 
-@pytest.mark.parametrize("stages, layers, split", [
-    (2, 8, ()), (4, 16, ()), (4, 16, (3, 1, 2, 2, 2, 2, 2, 2)), (4, 10, ())])
-def test_stage_slots_on_a_mesh_equal_the_local_gather(stages, layers, split):
-    """The shard_map (collective permutes where the layer dim is split over the stages, a local
-    pick where 10 layers on 4 stages leave it whole) against a plain gather of the table on one
-    device, and its gradient against the scatter back; exact, it only moves values."""
+@pytest.mark.parametrize("stages, layers, split, rules", [
+    (2, 8, (), []), (4, 16, (), []), (4, 16, (3, 1, 2, 2, 2, 2, 2, 2), []), (4, 10, (), []),
+    (4, 10, (), ["mesh.rules.embed=[fsdp,pipeline]"])])
+def test_stage_slots_on_a_mesh_equal_the_local_gather(stages, layers, split, rules):
+    """The shard_map against a plain gather of the table on one device, and its gradient
+    against the scatter back; exact, it only moves values. Cases: the layer dim split over the
+    stages (collective permutes); 10 layers on 4 stages leave it whole (a local pick), or
+    whole with `embed` split over fsdp x pipeline (an all-to-all)."""
     cfg, origins = small_config(f"mesh.pipeline={stages}", "mesh.fsdp=2",
-                                f"mesh.data={8 // stages // 2}", f"model.num_layers={1 + layers}")
+                                f"mesh.data={8 // stages // 2}", f"model.num_layers={1 + layers}",
+                                *rules)
     table = _table(stages, 2, layers, split)
     flat = np.asarray(table).reshape(-1)
-    a = jnp.arange(layers * 4 * 3, dtype=jnp.float32).reshape(layers, 4, 3) + 1
+    a = jnp.arange(layers * 8 * 3, dtype=jnp.float32).reshape(layers, 8, 3) + 1
     want = np.where(flat[:, None, None] >= 0, np.asarray(a)[np.maximum(flat, 0)], 0)
     seed = np.random.default_rng(0).normal(size=want.shape).astype(np.float32)
     want_grad = np.zeros(a.shape, np.float32)
     np.add.at(want_grad, flat[flat >= 0], seed[flat >= 0])
     logical = ("layers", "embed", None)
     with use_mesh(make_mesh(validate(cfg, 8, origins)), cfg.mesh.rules):
+        stored = jax.sharding.NamedSharding(current_mesh(), spec(logical, shape=a.shape))
+        a = jax.device_put(a, stored)
         got = jax.jit(lambda x: _stage_slots(x, logical, table))(a)
         grad = jax.jit(jax.grad(lambda x: jnp.sum(_stage_slots(x, logical, table) * seed)))(a)
     np.testing.assert_array_equal(np.asarray(got), want)
