@@ -120,7 +120,7 @@ def describe_pipeline(model: ModelConfig, stages: int) -> str | None:
     piped = [n for n in sizes if schedule.pipelines(n)]
     largest = max(piped, default=0)
     split = schedule.split(largest) if largest else ()
-    chunks = (f"{split[0]} layers per chunk" if len(set(split)) == 1
+    chunks = (f"{split[0]} layer{'s' * (split[0] != 1)} per chunk" if len(set(split)) == 1
               else f"chunks of {min(split)}-{max(split)} layers, padding "
               f"{100 * schedule.padding(largest):.1f}%")
     return (f"pipeline: {schedule.kind}, {stages} stages x {schedule.repeats} repeats, "

@@ -1,23 +1,27 @@
 """Pipeline parallelism over the `stage` logical axis: GPipe and circular schedules.
 
-A stack of L layers is cut into P stages x V repeats of Lc = L / (P V) layers; chunk
-c = v P + p runs on stage p. All stages run at once as one `vmap` over the stage dimension,
-mapped onto the pipeline mesh axis (`spmd_axis_name`), so XLA partitions it and every stage
-keeps its own weights; between iterations the activations move one stage along the ring
-(a collective permute). Iteration t, stage p works on virtual microbatch i = t - p:
-microbatch i mod M on its pass i div M. The last stage's outputs are kept per microbatch;
-stage 0 reads a microbatch's back for its next pass M - P + 1 iterations later (M >= P).
+A stack of L layers is cut into P stages x V repeats: C = P V chunks in layer order, chunk
+c = v P + p runs on stage p in pass v. Chunks may be unequal (model.pipeline_stage_layers, or
+as even as possible): every stage runs `slots` = the longest chunk's layers per pass, shorter
+chunks padded with masked identity slots (model/spec.py's PipelineSchedule says what that
+costs). All stages run at once as one `vmap` over the stage dimension, mapped onto the
+pipeline mesh axis (`spmd_axis_name`), so XLA partitions it and every stage keeps its own
+weights; between iterations the activations move one stage along the ring (a collective
+permute). Iteration t, stage p works on virtual microbatch i = t - p: microbatch i mod M on
+its pass i div M. The last stage's outputs are kept per microbatch; stage 0 reads a
+microbatch's back for its next pass M - P + 1 iterations later (M >= P).
 
 - gpipe (V = 1): any M; bubble (P - 1) / (M + P - 1).
 - circular (V > 1, M >= P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
-The schedule's arithmetic (P, V, M, bubble, which groups) is model/spec.py's PipelineSchedule.
 
-Weights are stored in natural layer order, sharded over the pipeline axis in contiguous
-blocks; circular needs chunk order (v, p), so each step regroups them (`stage_layout`:
-collective permutes that send each chunk once, like an FSDP gather in bytes). Only the stage
-dim of the weights is constrained: their other dims keep their expert / fsdp / tensor split. The MoE aux values are summed (expert load) or averaged
-over microbatches, which gives exactly the whole batch's: the balance losses are built from
-them after the pipeline (model/router.py).
+Weights are stored in natural layer order (checkpoints do not depend on the stages), their
+layer dim split over the pipeline axis in contiguous blocks where P divides it. Each step
+regroups them into stage slots (`stage_layout`) with collectives that move every byte once;
+only the stage dim is constrained, the other dims keep their expert / fsdp / tensor split.
+
+The MoE aux values are summed (expert load) or averaged over microbatches, which gives exactly
+the whole batch's values: the balance losses are built from them after the pipeline
+(model/router.py), so a pipelined step optimises the same loss as one device.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from maxmoe.model.spec import PipelineSchedule
 from maxmoe.sharding import current_mesh, mesh_axes, param_axes, shard, spec
 
 # aux values summed over microbatches (then averaged, expert_load kept a sum); other per-token
-# outputs are dropped. Each is a sum or a mean over equal groups of rows (model/router.py), so
-# the results equal the whole batch's.
+# outputs are dropped. The losses' inputs (z, sequence, load, affinity) are sums or means over
+# equal groups of rows (model/router.py), so they equal the whole batch's; activation_rms and
+# dropped_fraction (metrics only) are means of the microbatches' values.
 _AUX_KEYS = ("z_loss", "sequence_balance_loss", "expert_load", "router_affinity",
              "activation_rms", "dropped_fraction")
 
