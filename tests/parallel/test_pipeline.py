@@ -26,23 +26,31 @@ ROOT = Path(__file__).resolve().parents[2]
 WARNING = "Involuntary full rematerialization"
 
 # compiles the real train step of the README's pipeline example (tiny DeepSeek-V3: MLA, MTP,
-# sigmoid group-limited routing; 2 stages x 2 expert x 2 fsdp, circular), at a smaller shape
+# sigmoid group-limited routing; 2 stages x 2 expert x 2 fsdp, circular) at a smaller shape,
+# then the same model on 4 unequal stages (6 MoE layers: chunks 1, 1, 2, 2; the layer dim, which
+# 4 does not divide, whole on every stage); argv: override lists separated by "--"
 COMPILE = """
 import sys
 from maxmoe.config import load_config
 from maxmoe.plan.probe import abstract_batch
-from maxmoe.sharding import current_mesh, make_mesh, spec, use_mesh
+from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import validate
 
-cfg, origins = load_config(["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml",
-                            "configs/mesh/cpu8_pipeline.yaml"], sys.argv[1:])
-trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins)))
-with use_mesh(trainer.mesh, trainer.rules):
-    trainer.jitted_step.lower(trainer.abstract_state,
-                              abstract_batch(cfg, trainer.batch_sharding)).compile()
-print("compiled", file=sys.stderr)
+for overrides in " ".join(sys.argv[1:]).split(" -- "):
+    cfg, origins = load_config(["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml",
+                                "configs/mesh/cpu8_pipeline.yaml"], overrides.split())
+    trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins)))
+    with use_mesh(trainer.mesh, trainer.rules):
+        trainer.jitted_step.lower(trainer.abstract_state,
+                                  abstract_batch(cfg, trainer.batch_sharding)).compile()
+    print("compiled", overrides, file=sys.stderr)
 """
+SMALL = ["data.seq_len=32", "data.global_batch_size=8", "model.vocab_size=256"]
+UNEQUAL = ["mesh.pipeline=4", "mesh.expert=1", "model.num_layers=7",
+           "model.pipeline_schedule=gpipe"]
+
+
 
 
 def _table(stages, repeats, layers, split=()):
@@ -108,9 +116,8 @@ def test_pipelined_step_compiles_without_replication():
     env = dict(os.environ)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cache hit would skip the partitioner's log
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-    run = subprocess.run([sys.executable, "-c", COMPILE, "data.seq_len=32",
-                          "data.global_batch_size=8", "model.vocab_size=256"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert "compiled" in run.stderr, run.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-c", COMPILE, *SMALL, "--", *SMALL, *UNEQUAL],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.stderr.count("compiled") == 2, run.stderr[-3000:]
     lines = [line for line in run.stderr.splitlines() if WARNING in line]
     assert not lines, f"{len(lines)} replications, first: {lines[0][:600]}"
