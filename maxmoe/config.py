@@ -48,9 +48,13 @@ class ModelConfig:
     # tokens of each sequence per chunk of the LM head + loss (kernels/lm_loss.py): no float32
     # [B, S, V] logits; must divide data.seq_len; 0 = the whole sequence at once
     lm_loss_chunk: int = 0
-    pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches = stages)
-    pipeline_microbatches: int = 0  # gpipe microbatches per step; 0 = number of stages
+    pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches >= P)
+    pipeline_microbatches: int = 0  # microbatches per step; 0 = number of stages
     pipeline_repeats: int = 2  # circular: layer chunks per stage (bubble shrinks V times)
+    # layers of each chunk of the pipelined group in schedule order (gpipe: one per stage;
+    # circular: stages x repeats, chunk v*stages + p on stage p); [] = as even as possible.
+    # Unequal chunks are padded to the largest with masked identity slots (model/spec.py)
+    pipeline_stage_layers: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -322,7 +322,8 @@ def shards(cfg: Config, sizes: dict[str, int], logical: str) -> int:
 
 
 def check_pipeline(cfg: Config, sizes: dict[str, int], need: Need) -> None:
-    """mesh.pipeline stages split a run of stacked same-kind layers, and the batch per step."""
+    """mesh.pipeline stages split a run of stacked same-kind layers into chunks of at least
+    one layer (model.pipeline_stage_layers, if set, says how), and the batch per step."""
     m, stages = cfg.model, sizes["pipeline"]
     if stages == 1:
         return
@@ -331,10 +332,23 @@ def check_pipeline(cfg: Config, sizes: dict[str, int], need: Need) -> None:
          "set model.scan_layers=true (or mesh.pipeline=1)")
     schedule = pipeline_schedule(m, stages)
     sizes_of_groups = [n for _, _, n in layer_groups(m)]
+    split = m.pipeline_stage_layers
+    if split:
+        need(len(split) == schedule.chunks and min(split) >= 1, "model.pipeline_stage_layers",
+             f"needs {schedule.chunks} entries >= 1 (mesh.pipeline={stages} stages x "
+             f"{schedule.repeats} repeats, chunk v*stages + p on stage p)",
+             "give one layer count per chunk, or [] to split evenly")
+        need(sum(split) in sizes_of_groups, "model.pipeline_stage_layers",
+             f"sums to {sum(split)}, no run of same-kind layers has that many (sizes "
+             f"{sizes_of_groups})", "make it sum to the pipelined group's layers")
     need(any(schedule.pipelines(n) for n in sizes_of_groups), "mesh.pipeline",
-         f"no run of same-kind layers (sizes {sizes_of_groups}) divides into {stages} stages"
-         f" x {schedule.repeats} repeats", "change mesh.pipeline, model.pipeline_repeats or the layers")
+         f"no run of same-kind layers (sizes {sizes_of_groups}) has a layer for each of "
+         f"{stages} stages x {schedule.repeats} repeats", "lower mesh.pipeline or "
+         "model.pipeline_repeats")
     micro = schedule.microbatches
+    need(schedule.repeats == 1 or micro >= stages, "model.pipeline_microbatches",
+         f"the circular schedule needs at least mesh.pipeline={stages} microbatches",
+         f"use 0 (= stages) or >= {stages}")
     per_step = cfg.data.global_batch_size // cfg.train.grad_accum_steps
     need(per_step % (micro * shards(cfg, sizes, "batch")) == 0, "data.global_batch_size",
          f"each of the {micro} pipeline microbatches needs a whole number of rows per batch "

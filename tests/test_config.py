@@ -390,15 +390,34 @@ def test_mesh_axis_must_be_positive_or_minus_one(base, size):
     check(msg, "mesh.tensor", size, CMD, "must be >= 1 or -1")
 
 
-def test_pipeline_stages_must_divide_a_layer_group(base):
-    # 4 layers = 1 dense + 3 MoE: neither run divides into 2 stages
-    msg = error(load_validate, [base], ["mesh.pipeline=2"])
-    check(msg, "mesh.pipeline", 2, CMD, "no run of same-kind layers (sizes [1, 3]) divides "
-          "into 2 stages x 1 repeats", "change mesh.pipeline")
+def test_pipeline_stages_need_a_layer_per_chunk(base):
+    # 4 layers = 1 dense + 3 MoE: 3 MoE layers on 2 stages is fine (chunks of 1 and 2), not 4
+    assert load_validate([base], ["mesh.pipeline=2"])["pipeline"] == 2
+    msg = error(load_validate, [base], ["mesh.pipeline=4"])
+    check(msg, "mesh.pipeline", 4, CMD, "no run of same-kind layers (sizes [1, 3]) has a layer "
+          "for each of 4 stages x 1 repeats", "lower mesh.pipeline")
     msg = error(load_validate, [base], ["mesh.pipeline=2", "model.num_layers=5",
                                         "model.pipeline_schedule=circular",
                                         "model.pipeline_repeats=4"])
-    check(msg, "mesh.pipeline", 2, CMD, "into 2 stages x 4 repeats", "model.pipeline_repeats")
+    check(msg, "mesh.pipeline", 2, CMD, "2 stages x 4 repeats", "model.pipeline_repeats")
+
+
+def test_pipeline_stage_layers_must_fit_the_schedule_and_a_group(base):
+    msg = error(load_validate, [base], ["mesh.pipeline=2", "model.pipeline_stage_layers=[1,1,1]"])
+    check(msg, "model.pipeline_stage_layers", [1, 1, 1], CMD, "needs 2 entries >= 1",
+          "one layer count per chunk")
+    msg = error(load_validate, [base], ["mesh.pipeline=2", "model.pipeline_stage_layers=[2,2]"])
+    check(msg, "model.pipeline_stage_layers", [2, 2], CMD, "sums to 4, no run of same-kind "
+          "layers has that many (sizes [1, 3])", "make it sum")
+    sizes = load_validate([base], ["mesh.pipeline=2", "model.pipeline_stage_layers=[1,2]"])
+    assert sizes["pipeline"] == 2
+
+
+def test_circular_needs_a_microbatch_per_stage(base):
+    msg = error(load_validate, [base], ["mesh.pipeline=4", "model.num_layers=9",
+                                        "model.pipeline_schedule=circular",
+                                        "model.pipeline_microbatches=2"])
+    check(msg, "model.pipeline_microbatches", 2, CMD, "needs at least mesh.pipeline=4", ">= 4")
 
 
 def test_pipeline_needs_stacked_layers(base):

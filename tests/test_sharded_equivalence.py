@@ -11,9 +11,11 @@ loss, one MTP module); capacity dispatch with a factor that drops assignments, a
 device dropping the same ones (capacity slots are counted per sequence, so the drops do not
 depend on the layout).
 
-Pipeline layouts split the batch into microbatches; the Switch balance loss is a product of
-per-batch means, so it differs between a batch and the mean over its microbatches. Their
-reference therefore turns that loss off (its value is checked by the other layouts).
+Pipeline layouts split the batch into microbatches. Their runs keep every router loss on, at
+weights large enough to move the router gradients past the tolerance if a loss were formed per
+microbatch: the Switch balance loss is built from the batch's summed load and mean affinity,
+the sequence-wise loss and the z-loss are means of per-row / per-token terms
+(model/router.py), so pipelined and unpipelined steps optimise the same loss.
 """
 
 import os
@@ -40,7 +42,9 @@ LAYOUTS = {
     "data4_tensor2": ["mesh.tensor=2"],
     "expert4_tensor2": ["mesh.expert=4", "mesh.tensor=2"],
 }
-PIPELINE = ["model.num_layers=5", "moe.aux_loss_weight=0.0"]  # 1 dense + 4 MoE layers
+PIPELINE = ["model.num_layers=5",  # 1 dense + 4 MoE layers; every router loss on
+            "moe.aux_loss_weight=0.1", "moe.z_loss_weight=0.01",
+            "moe.sequence_balance_loss_weight=0.1"]
 PIPELINE_LAYOUTS = {
     "pipeline2_data4": ["mesh.pipeline=2"],
     "pipeline4_data2": ["mesh.pipeline=4"],
@@ -48,6 +52,12 @@ PIPELINE_LAYOUTS = {
                                        "model.pipeline_microbatches=4"],
     "pipeline2_tensor2_circular": ["mesh.pipeline=2", "mesh.tensor=2",
                                    "model.pipeline_schedule=circular"],
+    # unequal stages: 3 + 1 MoE layers, the second stage padded with two identity slots
+    "pipeline2_expert2_fsdp2_layers31": ["mesh.pipeline=2", "mesh.expert=2", "mesh.fsdp=2",
+                                         "model.pipeline_stage_layers=[3,1]"],
+    # circular with more microbatches than stages (outputs wait for stage 0's next pass)
+    "pipeline2_circular_micro4": ["mesh.pipeline=2", "model.pipeline_schedule=circular",
+                                  "model.pipeline_microbatches=4"],
 }
 # capacity mode with factor = num_experts has a slot for every assignment: nothing is dropped,
 # so it must equal the dropless single-device reference too

@@ -60,8 +60,13 @@ def group_limited_choice(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
 def route(logits: jax.Array, cfg: MoEConfig, bias: jax.Array | None = None):
     """logits [B, S, E] float32 -> (expert_idx [B, S, K], weights [B, S, K] float32, aux dict).
 
-    aux: balance_loss (Switch, over the batch), sequence_balance_loss (DeepSeek-V3, per row),
-    z_loss, expert_load [E] ((token, k) slots per expert) and expert_idx.
+    aux: expert_load [E] ((token, k) slots per expert) and router_affinity [E] (mean affinity
+    over the tokens): the Switch balance loss's two factors, see `switch_balance_loss`;
+    sequence_balance_loss (DeepSeek-V3, mean over rows), z_loss (mean over tokens) and expert_idx.
+
+    Every entry decomposes over groups of rows of equal size: a sum (load) or a mean of per-row
+    or per-token terms (the rest). So a pipelined step, which sums load and averages the rest
+    over its microbatches, gets exactly the values of the whole batch.
     """
     if cfg.router == "sigmoid":
         scores = jax.nn.sigmoid(logits)
@@ -81,14 +86,25 @@ def route(logits: jax.Array, cfg: MoEConfig, bias: jax.Array | None = None):
     num_experts = logits.shape[-1]
     hits = jnp.sum(jax.nn.one_hot(idx, num_experts, dtype=jnp.float32), axis=-2)  # [B, S, E]
     load = jnp.sum(hits, axis=(0, 1))
-    # E * sum_e f_e * P_e equals 1 for a uniform router; per row it is DeepSeek-V3's L_bal / alpha
-    balance = num_experts * jnp.sum(load / idx[..., 0].size / cfg.experts_per_token
-                                    * jnp.mean(affinity, axis=(0, 1)))
     row_fraction = jnp.mean(hits, axis=1) / cfg.experts_per_token  # [B, E]
     sequence_balance = num_experts * jnp.mean(jnp.sum(row_fraction * jnp.mean(affinity, axis=1), -1))
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))  # ST-MoE router z-loss
-    return idx, weights, {"balance_loss": balance, "sequence_balance_loss": sequence_balance,
-                          "z_loss": z, "expert_load": load, "expert_idx": idx}
+    return idx, weights, {"sequence_balance_loss": sequence_balance, "z_loss": z,
+                          "expert_load": load, "router_affinity": jnp.mean(affinity, axis=(0, 1)),
+                          "expert_idx": idx}
+
+
+def switch_balance_loss(load: jax.Array, affinity: jax.Array) -> jax.Array:
+    """The Switch Transformer balance loss E * sum_e f_e P_e of each layer, over the whole
+    batch: load [..., E] (token, k) slots per expert (f_e = load_e / sum load), affinity
+    [..., E] the mean router affinity over the batch's tokens (P_e). Returns [...].
+
+    Formed from the batch's sums, not per microbatch: a product of two batch means is not the
+    mean of per-microbatch products, and formed this way a pipelined step optimises the same
+    loss as one device (and as Hugging Face's batch-wide formula). Equals 1 for a uniform
+    router; per row it would be DeepSeek-V3's sequence-wise L_bal / alpha."""
+    fraction = load / jnp.maximum(jnp.sum(load, axis=-1, keepdims=True), 1.0)
+    return load.shape[-1] * jnp.sum(fraction * affinity, axis=-1)
 
 
 def updated_bias(bias: jax.Array, load: jax.Array, speed: float) -> jax.Array:

@@ -22,7 +22,7 @@ from maxmoe.model.attention import make_attention
 from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
-from maxmoe.model.router import updated_bias
+from maxmoe.model.router import switch_balance_loss, updated_bias
 from maxmoe.model.spec import PipelineSchedule, layer_groups, pipeline_schedule
 from maxmoe.parallel.pipeline import num_stages, run_pipeline
 from maxmoe.sharding import shard
@@ -88,14 +88,22 @@ def _stack(n: int, make, rngs: nnx.Rngs, per_layer: bool = False):
                      for i in range(n)])
 
 
-def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str):
-    """Applies stacked layers (state leaves [L, ...]) in order with lax.scan."""
-    def body(h, layer_state):
+def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str, mask=None):
+    """Applies stacked layers (state leaves [L, ...]) in order with lax.scan. mask [L] bool
+    (the pipeline's padding slots, parallel/pipeline.py): a False layer passes x through."""
+    def layer(h, layer_state):
         return nnx.merge(graphdef, layer_state)(h, segment_ids, positions)
+
+    def masked(h, layer_state_and_keep):
+        layer_state, keep = layer_state_and_keep
+        y, aux = layer(h, layer_state)
+        return jnp.where(keep, y, h), aux
+
+    body = layer if mask is None else masked
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, state)
+    return jax.lax.scan(body, x, state if mask is None else (state, mask))
 
 
 def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
@@ -256,9 +264,13 @@ class Transformer(nnx.Module):
             if "expert_load" in aux and "expert_load" in mtp_aux:
                 aux = {k: jnp.concatenate([aux[k], mtp_aux[k]]) for k in aux
                        if k in mtp_aux}
-        if "balance_loss" in aux:
+        if "expert_load" in aux:
+            # from the step's summed load and mean affinity (router.switch_balance_loss); a
+            # gradient-accumulation microbatch adds 1/A of its own (share)
             e, part = self.moe_cfg, 1.0 if share is None else 1.0 / share.microbatches
-            balance, z = jnp.mean(aux["balance_loss"]) * part, jnp.mean(aux["z_loss"]) * part
+            balance = jnp.mean(switch_balance_loss(aux["expert_load"],
+                                                   aux["router_affinity"])) * part
+            z = jnp.mean(aux["z_loss"]) * part
             sequence_balance = jnp.mean(aux["sequence_balance_loss"]) * part
             total = (total + e.aux_loss_weight * balance + e.z_loss_weight * z
                      + e.sequence_balance_loss_weight * sequence_balance)

@@ -1,35 +1,47 @@
 """Pipeline parallelism over the `stage` logical axis: GPipe and circular schedules.
 
-A stack of L layers is cut into P stages x V repeats of Lc = L / (P V) layers; chunk
-c = v P + p runs on stage p. All stages run at once as one `vmap` over the stage dimension,
-mapped onto the pipeline mesh axis (`spmd_axis_name`), so XLA partitions it and every stage
-keeps its own weights; between iterations the activations move one stage along the ring
-(a collective permute). Iteration t, stage p works on virtual microbatch i = t - p:
-microbatch i mod M on its pass i div M. The last stage's output feeds stage 0 on the next
-iteration, which is exactly what the next pass of a circular schedule needs when M = P.
+A stack of L layers is cut into P stages x V repeats: C = P V chunks in layer order, chunk
+c = v P + p runs on stage p in pass v. Chunks may be unequal (model.pipeline_stage_layers, or
+as even as possible): every stage runs `slots` = the longest chunk's layers per pass, shorter
+chunks padded with masked identity slots (model/spec.py's PipelineSchedule says what that
+costs). All stages run at once as one `vmap` over the stage dimension, mapped onto the
+pipeline mesh axis (`spmd_axis_name`), so XLA partitions it and every stage keeps its own
+weights; between iterations the activations move one stage along the ring (a collective
+permute). Iteration t, stage p works on virtual microbatch i = t - p: microbatch i mod M on
+its pass i div M. The last stage's outputs are kept per microbatch; stage 0 reads a
+microbatch's back for its next pass M - P + 1 iterations later (M >= P).
 
 - gpipe (V = 1): any M; bubble (P - 1) / (M + P - 1).
-- circular (V > 1, M = P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
-The schedule's arithmetic (P, V, M, bubble, which groups) is model/spec.py's PipelineSchedule.
+- circular (V > 1, M >= P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
 
-Weights are stored in natural layer order, sharded over the pipeline axis in contiguous
-blocks; circular needs chunk order (v, p), so each step regroups them (an all-to-all of the
-pipelined weights, like an FSDP gather). Balance losses are averaged over microbatches.
+Weights are stored in natural layer order (checkpoints do not depend on the stages), their
+layer dim split over the pipeline axis in contiguous blocks where P divides it. Each step
+regroups them into stage slots (`stage_layout`) with collectives that move every byte once;
+only the stage dim is constrained, the other dims keep their expert / fsdp / tensor split.
+
+The MoE aux values are summed (expert load) or averaged over microbatches, which gives exactly
+the whole batch's values: the balance losses are built from them after the pipeline
+(model/router.py), so a pipelined step optimises the same loss as one device.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from maxmoe.model.spec import PipelineSchedule
-from maxmoe.sharding import current_mesh, mesh_axes, shard
+from maxmoe.sharding import current_mesh, mesh_axes, param_axes, shard, spec
 
-# aux values summed over microbatches (then averaged); other per-token outputs are dropped
-# (dispatch_rounds: the mean over microbatches of each layer's rounds)
-_AUX_KEYS = ("balance_loss", "z_loss", "sequence_balance_loss", "expert_load", "activation_rms",
-             "dropped_fraction", "dispatch_rounds")
+# aux values summed over microbatches (then averaged, expert_load kept a sum); other per-token
+# outputs are dropped. The losses' inputs (z, sequence, load, affinity) are sums or means over
+# equal groups of rows (model/router.py), so they equal the whole batch's; activation_rms,
+# dropped_fraction and dispatch_rounds (metrics only) are means of the microbatches' values.
+_AUX_KEYS = ("z_loss", "sequence_balance_loss", "expert_load", "router_affinity",
+             "activation_rms", "dropped_fraction", "dispatch_rounds")
 
 
 def num_stages() -> int:
@@ -42,37 +54,153 @@ def num_stages() -> int:
     return n
 
 
+def _constrain(a: jax.Array, logical: tuple) -> jax.Array:
+    """with_sharding_constraint by logical names, dropping axes that do not divide a dim (as
+    the params' own shardings do); identity without a mesh."""
+    if current_mesh() is None:
+        return a
+    return jax.lax.with_sharding_constraint(a, spec(logical, shape=a.shape))
+
+
+def slot_permutes(table: list[list[int]], block: int) -> list[tuple[int, int, int, list]]:
+    """The collective permutes that move a stack stored in natural order to the stage slots.
+
+    table[p][s]: the natural layer in slot s of stage p, -1 for padding (PipelineSchedule.
+    slot_table). Stored, stage q holds layers q block ... q block + block - 1. Returns
+    (r, s, n, [(q, p), ...]): rows r..r+n-1 of every source q go to slots s..s+n-1 of its p.
+    Each entry pairs distinct sources with distinct destinations (a partial permutation), every
+    real slot receives once, and runs of neighbouring layers with the same pairs are merged
+    (equal circular chunks move as whole chunks)."""
+    moves: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for p, row in enumerate(table):
+        for slot, layer in enumerate(row):
+            if layer >= 0:
+                q, r = divmod(layer, block)
+                moves.setdefault((r, slot), []).append((q, p))
+    out: list[tuple[int, int, int, list]] = []
+    for r, slot in sorted(moves, key=lambda rs: (rs[1] - rs[0], rs[0])):  # diagonals together
+        pairs = sorted(moves[r, slot])
+        if out and out[-1][3] == pairs and (out[-1][0] + out[-1][2], out[-1][1] + out[-1][2]) \
+                == (r, slot):
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1, pairs)
+        else:
+            out.append((r, slot, 1, pairs))
+    return out
+
+
+def _axes(entry) -> tuple:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _stage_slots(a: jax.Array, logical: tuple, table: list[list[int]]) -> jax.Array:
+    """[L, ...] in natural layer order -> [P S, ...]: rows p S ... p S + S - 1 hold stage p's
+    slots as `table` [P][S] names them, zeros in padding slots.
+
+    Each case moves every weight byte at most once, in a shard_map; XLA's partitioner, asked
+    for the same regrouping as a reshape and transpose, replicated the whole stack on every
+    device first. The layer dim split over the stage axes (contiguous blocks, as stored when
+    P | L): collective permutes (`slot_permutes`). The layer dim whole on every stage (e.g.
+    58 layers on 16 stages): each stage picks its slots, with no traffic, or, where another dim
+    is split over the stage axes (their minor part), an all-to-all hands each stage its slots'
+    slices. Anything else (no mesh; other splits): a plain gather."""
+    index = np.asarray(table)
+    layers = a.shape[0]
+    if np.array_equal(index.reshape(-1), np.arange(layers)):
+        return a  # equal gpipe chunks: the stored order already is the stage order
+    stage_axes = mesh_axes("stage")
+    pspec = tuple(spec(logical, shape=a.shape)) if current_mesh() is not None else ()
+    pspec = pspec + (None,) * (a.ndim - len(pspec))
+    # numpy constants: a jax array closed over by a shard_map body keeps the outer mesh
+    keep = (index.reshape(-1) >= 0).reshape(-1, *([1] * (a.ndim - 1)))
+    rows = np.maximum(index, 0)
+    if not stage_axes:
+        return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
+    axis = _entry(tuple(stage_axes))
+    where = [d for d, entry in enumerate(pspec) if set(_axes(entry)) & set(stage_axes)]
+    run = functools.partial(jax.shard_map, in_specs=jax.sharding.PartitionSpec(*pspec),
+                            check_vma=False)  # off as in parallel/experts.py (the vmap)
+    if where == [0] and _axes(pspec[0]) == tuple(stage_axes):
+        return run(functools.partial(_permute_rows, table=table, axis=axis),
+                   out_specs=jax.sharding.PartitionSpec(*pspec))(a)
+    if pspec[0] is None and not where:
+        def pick(whole):  # [L, ...] on every stage: take this stage's slots
+            q = jax.lax.axis_index(axis)
+            mine = jnp.take(whole, jnp.asarray(rows)[q], axis=0)
+            return jnp.where(jnp.asarray(keep.reshape(*index.shape, *keep.shape[1:]))[q], mine, 0)
+        return run(pick, out_specs=jax.sharding.PartitionSpec(axis, *pspec[1:]))(a)
+    d = where[0] if len(where) == 1 else None
+    if pspec[0] is None and d and _axes(pspec[d])[-len(stage_axes):] == tuple(stage_axes):
+        def exchange(local):  # [L, ...], dim d a slice: send each stage its slots of it
+            sent = jnp.where(keep, jnp.take(local, rows.reshape(-1), axis=0), 0)
+            return jax.lax.all_to_all(sent, axis, 0, d, tiled=True)
+        out = list(pspec)
+        out[0], out[d] = axis, _entry(_axes(pspec[d])[:-len(stage_axes)])
+        return run(exchange, out_specs=jax.sharding.PartitionSpec(*out))(a)
+    return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
+
+
+def _permute_rows(local, *, table, axis):
+    """shard_map body: this stage's stored layers [L/P, ...] -> its slots [S, ...]."""
+    stages, width = len(table), len(table[0])
+    out = jnp.zeros((width, *local.shape[1:]), local.dtype)
+    for r, slot, n, pairs in slot_permutes(table, local.shape[0]):
+        moved = local[r:r + n]
+        if pairs != [(q, q) for q in range(stages)]:
+            moved = jax.lax.ppermute(moved, axis, pairs)
+        out = out.at[slot:slot + n].add(moved)
+    return out
+
+
+def stage_layout(state, table: list[list[int]], repeats: int):
+    """Stacked layer params [L, ...] (natural order, as stored) -> [P, V, slots, ...]: stage p,
+    pass v, slot k holds layer table[p][v slots + k] (zeros for padding). The trailing dims
+    keep their own sharding (expert, fsdp, tensor): only the stage dim is constrained, so no
+    weight is gathered whole."""
+    stages, width = len(table), len(table[0])
+
+    def one(var):
+        a, logical = var.get_value(), param_axes(var)
+        a = _stage_slots(a, logical, table)
+        a = a.reshape(stages, repeats, width // repeats, *a.shape[1:])
+        return var.replace(_constrain(a, ("stage", None, None, *logical[1:])))
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
 def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: PipelineSchedule):
     """x [B, S, D] through all layers of `stack` (leading dim L) on the pipeline, as
     `schedule` (its stages = this mesh's; schedule.pipelines(L)) says.
 
-    run_layers(graphdef, layer_state, h, segment_ids, positions) -> (h, aux stacked per layer)
-    runs a chunk of layers (scan + remat as configured). Returns (x, aux [L, ...]).
+    run_layers(graphdef, layer_state, h, segment_ids, positions, mask=None) -> (h, aux stacked
+    per layer) runs a chunk of layers (scan + remat as configured); mask [slots] bool, given
+    when chunks are unequal, makes the False slots identities. Returns (x, aux [L, ...]).
     """
     stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
     graphdef, state = nnx.split(stack)
     layers = jax.tree.leaves(state)[0].shape[0]
-    chunk = layers // (stages * repeats)
     b = x.shape[0]
 
-    # [L, ...] -> [V, P, Lc, ...]: chunk c = v P + p; stage dim on the pipeline axis
-    def to_chunks(a):
-        a = a.reshape(repeats, stages, chunk, *a.shape[1:])
-        return shard(a, (None, "stage") + (None,) * (a.ndim - 2))
-    chunks = jax.tree.map(to_chunks, state)
+    table = schedule.slot_table(layers)  # [P][V slots]: natural layer or -1 (padding)
+    stage_params = stage_layout(state, table, repeats)  # [P, V, slots, ...]
+    mask = np.asarray(table).reshape(stages, repeats, -1) >= 0
+    padded = not mask.all()
 
     def split(a):  # [B, ...] -> [M, B/M, ...]; microbatch j takes rows j, j + M, ...
         a = a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)
         return shard(a, (None, "batch") + (None,) * (a.ndim - 2))
     xs, segs, poss = split(x), split(segment_ids), split(positions)
 
-    def stage_step(stage_chunks, h, seg, pos, v):
-        """One stage: pick its chunk for pass v, run its layers."""
+    def stage_step(stage_chunks, stage_mask, h, seg, pos, v):
+        """One stage: pick its chunk for pass v, run its layers (padding slots masked)."""
         params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False),
                               stage_chunks)
-        return run_layers(graphdef, params, h, seg, pos)
+        slots = jax.lax.dynamic_index_in_dim(stage_mask, v, 0, keepdims=False)
+        return run_layers(graphdef, params, h, seg, pos, mask=slots if padded else None)
 
-    stage_params = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), chunks)  # [P, V, Lc, ...]
     stage_axes = mesh_axes("stage")
     all_stages = jax.vmap(stage_step, spmd_axis_name=stage_axes[0] if len(stage_axes) == 1
                           else (stage_axes or None))
@@ -80,10 +208,11 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
     stage_index = jnp.arange(stages)
     buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
     out = jnp.zeros_like(xs)
+    mask = jnp.asarray(mask)
     aux_shapes = jax.eval_shape(lambda: all_stages(
-        stage_params, buf, jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
+        stage_params, mask, buf, jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
         jnp.zeros((stages, *poss.shape[1:]), poss.dtype), jnp.zeros((stages,), jnp.int32))[1])
-    # per stage and pass: [P, V, Lc, ...]
+    # per stage and pass: [P, V, slots, ...]
     aux_sum = {k: jnp.zeros((stages, repeats, *s.shape[1:]), jnp.float32)
                for k, s in aux_shapes.items() if k in _AUX_KEYS}
 
@@ -93,26 +222,37 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
         valid = (i >= 0) & (i < repeats * m)
         micro = jnp.clip(i, 0, repeats * m - 1) % m
         v = jnp.clip(i, 0, repeats * m - 1) // m
-        # stage 0 takes a fresh microbatch on the first pass, else what the ring brought
+        # stage 0 takes a fresh microbatch on the first pass, else the microbatch's output of
+        # the last stage's previous pass, kept in `out` since iteration t - M + P - 1 (M >= P)
         fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), 0, keepdims=False)
-        h_in = buf.at[0].set(jnp.where(t < m, fresh, buf[0]))
-        h, aux = all_stages(stage_params, h_in, segs[micro], poss[micro], v)
+        again = jax.lax.dynamic_index_in_dim(out, t % m, 0, keepdims=False)
+        h_in = buf.at[0].set(jnp.where(t < m, fresh, again))
+        h, aux = all_stages(stage_params, mask, h_in, segs[micro], poss[micro], v)
         weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
         aux_sum = {k: acc + jnp.einsum("pv,p...->pv...", weight, aux[k].astype(jnp.float32))
                    for k, acc in aux_sum.items()}
-        # the last stage finishing its final pass emits microbatch i - (V - 1) M
-        last = i[stages - 1] - (repeats - 1) * m
-        done = (last >= 0) & (last < m)
+        # the last stage's output of virtual microbatch i goes to out[i mod M]: read again by
+        # stage 0 for the next pass, and after the final pass it is the result
+        last = i[stages - 1]
+        done = (last >= 0) & (last < repeats * m)
         out = jnp.where(done, jax.lax.dynamic_update_index_in_dim(
-            out, h[stages - 1], jnp.clip(last, 0, m - 1), 0), out)
+            out, h[stages - 1], jnp.clip(last, 0, repeats * m - 1) % m, 0), out)
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
         return (buf, out, aux_sum), None
 
     (_, out, aux_sum), _ = jax.lax.scan(iteration, (buf, out, aux_sum),
                                         jnp.arange(schedule.iterations))
     y = out.swapaxes(0, 1).reshape(x.shape)
-    # aux [P, V, Lc, ...] summed over microbatches -> mean, in natural layer order [L, ...]
-    aux = {k: (a / m).swapaxes(0, 1).reshape(layers, *a.shape[3:]) for k, a in aux_sum.items()}
-    aux["expert_load"] = aux["expert_load"] * m if "expert_load" in aux else None  # a count
-    aux = {k: a for k, a in aux.items() if a is not None}
-    return shard(y, ("batch", "seq", "act_embed")), aux
+    return shard(y, ("batch", "seq", "act_embed")), _natural_aux(aux_sum, table, m)
+
+
+def _natural_aux(aux_sum: dict, table: list[list[int]], m: int) -> dict:
+    """aux [P, V, slots, ...] summed over m microbatches -> the mean (expert_load: the sum) of
+    each real layer, in natural layer order [L, ...]; padding slots dropped."""
+    flat = np.asarray(table).reshape(-1)
+    where = jnp.asarray(np.argsort(np.where(flat >= 0, flat, flat.size))[:int((flat >= 0).sum())])
+    out = {}
+    for k, a in aux_sum.items():
+        a = jnp.take(a.reshape(-1, *a.shape[3:]), where, axis=0)
+        out[k] = a if k == "expert_load" else a / m  # the load stays a count
+    return out

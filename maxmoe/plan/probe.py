@@ -32,7 +32,7 @@ import numpy as np
 from maxmoe.bench import memory_analysis
 from maxmoe.config import ConfigError, load_config
 from maxmoe.kernels.attention import cudnn_takes
-from maxmoe.model.spec import pipeline_schedule
+from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes, dtype_bytes
 from maxmoe.sharding import use_mesh
@@ -224,7 +224,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
         "tokens_per_step": setup.tokens_per_step,
-        "bubble": pipeline_schedule(cfg.model, sizes["pipeline"]).bubble,
+        "bubble": pipeline_idle(cfg.model, sizes["pipeline"]),  # with chunk padding
     }
 
 

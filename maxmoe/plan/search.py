@@ -19,7 +19,7 @@ import numpy as np
 
 from maxmoe.config import MESH_AXES, Config, ConfigError
 from maxmoe.metrics.flops import flops_per_token
-from maxmoe.model.spec import layer_groups, pipeline_schedule
+from maxmoe.model.spec import layer_groups, pipeline_idle, pipeline_schedule
 from maxmoe.plan.cluster import Cluster
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.roofline import step_time
@@ -232,7 +232,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
              // shards(cfg, layout.sizes, "batch"))
     peak = state.total + batch + temporaries
     flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
-    bubble = pipeline_schedule(cfg.model, layout.sizes["pipeline"]).bubble
+    bubble = pipeline_idle(cfg.model, layout.sizes["pipeline"])  # with chunk padding
     step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state.params), bubble)
     return Estimate(layout, state.total, temporaries, peak, step.step_s,
                     peak <= cluster.usable_bytes)

@@ -7,7 +7,12 @@ import itertools
 import pytest
 
 from maxmoe.config import ModelConfig
-from maxmoe.model.spec import describe_pipeline, layer_groups, pipeline_schedule
+from maxmoe.model.spec import (
+    PipelineSchedule,
+    describe_pipeline,
+    layer_groups,
+    pipeline_schedule,
+)
 
 
 @pytest.mark.parametrize("fields", [
@@ -33,7 +38,8 @@ def test_layer_groups_cover_every_layer_in_runs_of_its_kind(fields):
 @pytest.mark.parametrize("kind, stages, microbatches, repeats, want_m", [
     ("gpipe", 4, 0, 2, 4),  # microbatches 0 = stages; repeats ignored by gpipe
     ("gpipe", 2, 6, 2, 6),
-    ("circular", 4, 6, 3, 4),  # circular: M = P whatever pipeline_microbatches says
+    ("circular", 4, 0, 3, 4),  # circular: 0 = stages too
+    ("circular", 2, 6, 2, 6),  # circular with more microbatches than stages
 ])
 def test_bubble_is_the_idle_share_of_the_schedule_grid(kind, stages, microbatches, repeats,
                                                        want_m):
@@ -49,16 +55,45 @@ def test_bubble_is_the_idle_share_of_the_schedule_grid(kind, stages, microbatche
     assert s.bubble == pytest.approx(1 - busy / (stages * s.iterations))
 
 
-def test_only_groups_that_stages_times_repeats_divide_are_pipelined():
+def test_groups_with_a_layer_per_chunk_are_pipelined():
     """1 dense + 4 MoE layers on 2 stages: the MoE group is pipelined, the dense layer runs on
-    every stage; circular with 4 repeats divides neither; one stage pipelines nothing."""
+    every stage; circular with 4 repeats has no layer for each of 8 chunks; one stage
+    pipelines nothing; an explicit split pipelines only the group it sums to."""
     model = dataclasses.replace(ModelConfig(), num_layers=5, num_dense_layers=1)
     sizes = [n for _, _, n in layer_groups(model)]
     assert [pipeline_schedule(model, 2).pipelines(n) for n in sizes] == [False, True]
+    assert [pipeline_schedule(model, 3).pipelines(n) for n in sizes] == [False, True]
     circular = dataclasses.replace(model, pipeline_schedule="circular", pipeline_repeats=4)
     assert not any(pipeline_schedule(circular, 2).pipelines(n) for n in sizes)
     assert not any(pipeline_schedule(model, 1).pipelines(n) for n in sizes)
-    assert describe_pipeline(model, 1) is None
-    line = describe_pipeline(model, 2)
-    assert "2 stages x 1 repeats, 2 microbatches, bubble 33.3%" in line
-    assert line.endswith("4 layers pipelined, 1 run on every stage")
+    explicit = dataclasses.replace(model, pipeline_stage_layers=[3, 2])
+    assert [pipeline_schedule(explicit, 2).pipelines(n) for n in sizes] == [False, False]
+
+
+@pytest.mark.parametrize("layers, stages, repeats, split", [
+    (58, 16, 1, ()), (21, 4, 1, ()), (21, 8, 1, ()), (21, 4, 2, ()), (12, 4, 1, (2, 4, 3, 3))])
+def test_slot_table_holds_each_layer_once_in_chunk_order(layers, stages, repeats, split):
+    """Every layer sits in exactly one slot; chunk v P + p (stage p, pass v) holds consecutive
+    layers and the chunks follow layer order; the split is as even as possible (or as given)
+    and the padding share counts the -1 slots."""
+    s = PipelineSchedule("circular" if repeats > 1 else "gpipe", stages, repeats, stages, split)
+    sizes, table, n = s.split(layers), s.slot_table(layers), s.slots(layers)
+    assert sum(sizes) == layers and (split or max(sizes) - min(sizes) <= 1)
+    chunks = [[x for x in table[c % stages][c // stages * n:(c // stages + 1) * n] if x >= 0]
+              for c in range(stages * repeats)]
+    assert [x for chunk in chunks for x in chunk] == list(range(layers))
+    assert [len(c) for c in chunks] == list(sizes)
+    empty = sum(x < 0 for row in table for x in row)
+    assert s.padding(layers) == pytest.approx(empty / (stages * repeats * n))
+
+
+def test_start_up_line_counts_padding_in_the_idle_share():
+    """DeepSeek-V3's 58 MoE layers on 16 stages, 32 microbatches: chunks of 3-4 layers, 6 of
+    64 slots padding; idle = 1 - (1 - bubble)(1 - padding)."""
+    model = dataclasses.replace(ModelConfig(), num_layers=61, num_dense_layers=3,
+                                pipeline_microbatches=32)
+    line = describe_pipeline(model, 16)
+    bubble, padding = 15 / 47, 6 / 64
+    assert "chunks of 3-4 layers" in line and f"padding {100 * padding:.1f}%" in line
+    assert f"idle {100 * (1 - (1 - bubble) * (1 - padding)):.1f}%" in line
+    assert "58 layers pipelined" in line and "3 run on every stage" in line

@@ -1,0 +1,123 @@
+"""The pipeline's weight regrouping: each chunk sent once, no replication by the compiler.
+
+XLA's SPMD partitioner, asked for a sharding it cannot reach efficiently, replicates the tensor
+and partitions it again, and says so only in its log ("Involuntary full rematerialization");
+the numbers stay right, so equivalence tests cannot see it. At 671B such a replication is a
+whole layer stack on every device. The compile test reads the compiler's log instead.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxmoe.model.spec import PipelineSchedule
+from maxmoe.parallel.pipeline import _stage_slots, slot_permutes
+from maxmoe.sharding import current_mesh, make_mesh, spec, use_mesh
+from maxmoe.validation import validate
+from tests.helpers import small_config
+
+ROOT = Path(__file__).resolve().parents[2]
+WARNING = "Involuntary full rematerialization"
+
+# compiles the real train step of the README's pipeline example (tiny DeepSeek-V3: MLA, MTP,
+# sigmoid group-limited routing; 2 stages x 2 expert x 2 fsdp, circular) at a smaller shape,
+# then the same model on 4 unequal stages (6 MoE layers: chunks 1, 1, 2, 2; the layer dim, which
+# 4 does not divide, whole on every stage); argv: override lists separated by "--"
+COMPILE = """
+import sys
+from maxmoe.config import load_config
+from maxmoe.plan.probe import abstract_batch
+from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.train.step import make_trainer
+from maxmoe.validation import validate
+
+for overrides in " ".join(sys.argv[1:]).split(" -- "):
+    cfg, origins = load_config(["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml",
+                                "configs/mesh/cpu8_pipeline.yaml"], overrides.split())
+    trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins)))
+    with use_mesh(trainer.mesh, trainer.rules):
+        trainer.jitted_step.lower(trainer.abstract_state,
+                                  abstract_batch(cfg, trainer.batch_sharding)).compile()
+    print("compiled", overrides, file=sys.stderr)
+"""
+SMALL = ["data.seq_len=32", "data.global_batch_size=8", "model.vocab_size=256"]
+UNEQUAL = ["mesh.pipeline=4", "mesh.expert=1", "model.num_layers=7",
+           "model.pipeline_schedule=gpipe"]
+
+
+
+
+def _table(stages, repeats, layers, split=()):
+    return PipelineSchedule("circular" if repeats > 1 else "gpipe", stages, repeats, stages,
+                            tuple(split)).slot_table(layers)
+
+
+@pytest.mark.parametrize("stages, repeats, layers, split", [
+    (2, 2, 4, ()), (4, 2, 16, ()), (2, 4, 16, ()), (4, 3, 24, ()), (8, 2, 32, ()),
+    (4, 1, 12, (2, 4, 3, 3)), (2, 2, 6, (1, 2, 2, 1)), (4, 2, 16, (3, 1, 2, 2, 2, 2, 2, 2))])
+def test_slot_permutes_deliver_every_layer_once(stages, repeats, layers, split):
+    """Simulated on plain lists: every real slot of the table receives its layer once, from
+    the stage that stores it; each permute pairs distinct sources with distinct targets."""
+    table = _table(stages, repeats, layers, split)
+    block = layers // stages
+    got = {}
+    for r, slot, n, pairs in slot_permutes(table, block):
+        assert len({q for q, _ in pairs}) == len({p for _, p in pairs}) == len(pairs)
+        for q, p in pairs:
+            for i in range(n):
+                assert (p, slot + i) not in got
+                got[p, slot + i] = q * block + r + i  # the layer q stores at row r + i
+    assert got == {(p, s): layer for p, row in enumerate(table) for s, layer in enumerate(row)
+                   if layer >= 0}
+
+
+def test_equal_circular_chunks_move_as_whole_chunks():
+    """4 stages x 2 repeats of 2-layer chunks: each permute moves a whole chunk, V^2 at most."""
+    moves = slot_permutes(_table(4, 2, 16), 4)
+    assert {n for *_, n, _ in moves} == {2} and len(moves) <= 4
+
+
+@pytest.mark.parametrize("stages, layers, split, rules", [
+    (2, 8, (), []), (4, 16, (), []), (4, 16, (3, 1, 2, 2, 2, 2, 2, 2), []), (4, 10, (), []),
+    (4, 10, (), ["mesh.rules.embed=[fsdp,pipeline]"])])
+def test_stage_slots_on_a_mesh_equal_the_local_gather(stages, layers, split, rules):
+    """The shard_map against a plain gather of the table on one device, and its gradient
+    against the scatter back; exact, it only moves values. Cases: the layer dim split over the
+    stages (collective permutes); 10 layers on 4 stages leave it whole (a local pick), or
+    whole with `embed` split over fsdp x pipeline (an all-to-all)."""
+    cfg, origins = small_config(f"mesh.pipeline={stages}", "mesh.fsdp=2",
+                                f"mesh.data={8 // stages // 2}", f"model.num_layers={1 + layers}",
+                                *rules)
+    table = _table(stages, 2, layers, split)
+    flat = np.asarray(table).reshape(-1)
+    a = jnp.arange(layers * 8 * 3, dtype=jnp.float32).reshape(layers, 8, 3) + 1
+    want = np.where(flat[:, None, None] >= 0, np.asarray(a)[np.maximum(flat, 0)], 0)
+    seed = np.random.default_rng(0).normal(size=want.shape).astype(np.float32)
+    want_grad = np.zeros(a.shape, np.float32)
+    np.add.at(want_grad, flat[flat >= 0], seed[flat >= 0])
+    logical = ("layers", "embed", None)
+    with use_mesh(make_mesh(validate(cfg, 8, origins)), cfg.mesh.rules):
+        stored = jax.sharding.NamedSharding(current_mesh(), spec(logical, shape=a.shape))
+        a = jax.device_put(a, stored)
+        got = jax.jit(lambda x: _stage_slots(x, logical, table))(a)
+        grad = jax.jit(jax.grad(lambda x: jnp.sum(_stage_slots(x, logical, table) * seed)))(a)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_pipelined_step_compiles_without_replication():
+    env = dict(os.environ)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cache hit would skip the partitioner's log
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    run = subprocess.run([sys.executable, "-c", COMPILE, *SMALL, "--", *SMALL, *UNEQUAL],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.stderr.count("compiled") == 2, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if WARNING in line]
+    assert not lines, f"{len(lines)} replications, first: {lines[0][:600]}"
