@@ -179,6 +179,20 @@ def param_axes(variable) -> tuple[str | None, ...]:
     return ("layers",) * extra + axes
 
 
+def variable_axes(v, rules: Mapping[str, list[str]],
+                  sizes: Mapping[str, int]) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """`state_dim_axes` of an nnx.Variable. One created with `store_by_rules=True` metadata
+    (the router bias: [E] per layer, read whole by every step's routing) keeps the rules' axes
+    alone, the other axes returned as unplaced: spread over extra axes, it made XLA replicate
+    router tensors under the pipeline's vmap ("Involuntary full rematerialization")."""
+    logical, shape = param_axes(v), v.get_value().shape
+    if not v.get_metadata().get("store_by_rules"):
+        return state_dim_axes(logical, rules, sizes, shape)
+    axes = dim_axes(logical, rules, sizes, shape)
+    used = {a for ax in axes for a in ax}
+    return axes, tuple(a for a in MESH_AXES if sizes.get(a, 1) > 1 and a not in used)
+
+
 def state_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]]):
     """NamedSharding for every nnx.Variable in an nnx.State: params by their axes metadata,
     placed for storage by `state_dim_axes` (over every mesh axis that fits). Needs no current
@@ -187,7 +201,7 @@ def state_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]
 
     def one(v):
         if isinstance(v, nnx.Variable):
-            axes, _ = state_dim_axes(param_axes(v), rules, sizes, v.get_value().shape)
+            axes, _ = variable_axes(v, rules, sizes)
             return v.replace(NamedSharding(mesh, _as_spec(axes)))
         return NamedSharding(mesh, P())
 

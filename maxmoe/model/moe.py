@@ -24,7 +24,8 @@ class MoE(nnx.Module):
         self.shared = (MLP(dim, f * cfg.num_shared_experts, std=std, dtype=dtype, rngs=rngs)
                        if cfg.num_shared_experts else None)
         # DeepSeek-V3 sigmoid routing selects with scores + bias (aux-loss-free balancing)
-        self.bias = (RouterBias(jnp.zeros((e,), jnp.float32), axes=(None,))
+        self.bias = (RouterBias(jnp.zeros((e,), jnp.float32), axes=(None,),
+                                store_by_rules=True)
                      if cfg.router == "sigmoid" else None)
         self.cfg, self.dtype = cfg, dtype
 

@@ -21,7 +21,7 @@ from flax import nnx
 from maxmoe.config import Config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
-from maxmoe.sharding import param_axes, state_dim_axes
+from maxmoe.sharding import variable_axes
 from maxmoe.train.optimizer import make_optimizer
 
 
@@ -57,19 +57,18 @@ class StateBytes:
     largest_param: int = 0  # the largest parameter leaf on one device
 
 
-def _per_device(abstract: jax.ShapeDtypeStruct, logical, cfg: Config,
-                sizes: dict[str, int]) -> tuple[tuple[int, ...], bool]:
-    """(per-device shape, split over every mesh axis?) of a leaf with these logical axes."""
-    axes, unplaced = state_dim_axes(logical, cfg.mesh.rules, sizes, abstract.shape)
-    shape = tuple(n // math.prod(sizes[a] for a in ax) for n, ax in zip(abstract.shape, axes,
-                                                                       strict=True))
+def _per_device(v, cfg: Config, sizes: dict[str, int]) -> tuple[tuple[int, ...], bool]:
+    """(per-device shape, split over every mesh axis?) of an abstract nnx.Variable."""
+    axes, unplaced = variable_axes(v, cfg.mesh.rules, sizes)
+    shape = tuple(n // math.prod(sizes[a] for a in ax)
+                  for n, ax in zip(v.get_value().shape, axes, strict=True))
     return shape, not unplaced
 
 
 def _variable_leaves(state, cfg: Config, sizes: dict[str, int]) -> dict[str, Leaf]:
     """{keystr of the pure-dict path: Leaf} for an nnx.State of abstract variables."""
     def one(v):
-        shape, sharded = _per_device(v.get_value(), param_axes(v), cfg, sizes)
+        shape, sharded = _per_device(v, cfg, sizes)
         return Leaf("", shape, v.get_value().dtype, sharded)
 
     tree = nnx.to_pure_dict(jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))

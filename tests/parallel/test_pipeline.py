@@ -112,11 +112,6 @@ def test_stage_slots_on_a_mesh_equal_the_local_gather(stages, layers, split, rul
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 25, open: after the merges of 2026-12-05 the README pipeline example's step has 2 "
-    "small involuntary replications in the router (f32[8,1] 'transpose(jvp(moe))/router/div', "
-    "f32[5,1] 'jvp()/concatenate'); the pipeline branch alone had none. strict: passes again "
-    "-> remove this mark"))
 def test_pipelined_step_compiles_without_replication():
     env = dict(os.environ)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cache hit would skip the partitioner's log
