@@ -21,7 +21,7 @@ from flax import nnx
 from maxmoe.config import Config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
-from maxmoe.sharding import variable_axes
+from maxmoe.sharding import dim_axes, param_axes, variable_axes
 from maxmoe.train.optimizer import make_optimizer
 
 
@@ -32,6 +32,7 @@ class Leaf:
     shape: tuple[int, ...]  # per device
     dtype: Any
     sharded: bool  # split over every mesh axis of size > 1 (a scalar counts as sharded)
+    gathered_over: tuple[str, ...] = ()  # axes compute all-gathers it over (stored, not rules)
 
     @property
     def bytes(self) -> int:
@@ -55,23 +56,32 @@ class StateBytes:
     replicated: list[tuple[str, int]]
     replicated_bytes: int
     largest_param: int = 0  # the largest parameter leaf on one device
+    # parameter elements stored per device, by the mesh axes compute gathers them over
+    # (ZeRO-3: `sharding.state_dim_axes` stores over axes the rules' compute layout does not use)
+    gathered: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
 
 
-def _per_device(v, cfg: Config, sizes: dict[str, int]) -> tuple[tuple[int, ...], bool]:
-    """(per-device shape, split over every mesh axis?) of an abstract nnx.Variable."""
+def _per_device(v, cfg: Config, sizes: dict[str, int]) -> Leaf:
+    """An abstract nnx.Variable's Leaf (path left empty): per-device shape, split over every
+    mesh axis?, and the axes compute all-gathers it over: those it is stored over beyond the
+    rules' layout, and its rules axes that also split the batch (FSDP), but not the experts
+    dim's (the tokens travel to the experts)."""
     axes, unplaced = variable_axes(v, cfg.mesh.rules, sizes)
+    value = v.get_value()
     shape = tuple(n // math.prod(sizes[a] for a in ax)
-                  for n, ax in zip(v.get_value().shape, axes, strict=True))
-    return shape, not unplaced
+                  for n, ax in zip(value.shape, axes, strict=True))
+    logical = param_axes(v)
+    tokens = set(cfg.mesh.rules.get("batch", ()))  # FSDP: gathered where the batch is split
+    compute = {a for name, ax in zip(logical, dim_axes(logical, cfg.mesh.rules, sizes,
+                                                        value.shape), strict=True)
+               for a in ax if a not in tokens or name == "experts"}  # tokens go to experts
+    gathered = tuple(a for ax in axes for a in ax if a not in compute)
+    return Leaf("", shape, value.dtype, not unplaced, gathered)
 
 
 def _variable_leaves(state, cfg: Config, sizes: dict[str, int]) -> dict[str, Leaf]:
     """{keystr of the pure-dict path: Leaf} for an nnx.State of abstract variables."""
-    def one(v):
-        shape, sharded = _per_device(v, cfg, sizes)
-        return Leaf("", shape, v.get_value().dtype, sharded)
-
-    tree = nnx.to_pure_dict(jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    tree = nnx.to_pure_dict(jax.tree.map(lambda v: _per_device(v, cfg, sizes), state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     return {jax.tree_util.keystr(path): dataclasses.replace(leaf, path=jax.tree_util.keystr(path))
             for path, leaf in jax.tree_util.tree_leaves_with_path(
                 tree, is_leaf=lambda x: isinstance(x, Leaf))}
@@ -130,8 +140,14 @@ def state_bytes(cfg: Config, sizes: dict[str, int]) -> StateBytes:
             replicated += [(f"{name}{leaf.path}", leaf.bytes) for leaf in group
                            if not leaf.sharded and leaf.shape]  # not the optimizer's counters
     replicated.sort(key=lambda item: (-item[1], item[0]))
+    gathered: dict[tuple[str, ...], int] = {}
+    for leaf in leaves["params"]:
+        if leaf.gathered_over:
+            gathered[leaf.gathered_over] = (gathered.get(leaf.gathered_over, 0)
+                                            + math.prod(leaf.shape))
     return StateBytes(params=part["params"], grads=part["params"], opt_state=part["opt_state"],
                       buffers=part["buffers"],
                       total=part["params"] + part["opt_state"] + part["buffers"],
                       replicated=replicated, replicated_bytes=sum(b for _, b in replicated),
-                      largest_param=max((leaf.bytes for leaf in leaves["params"]), default=0))
+                      largest_param=max((leaf.bytes for leaf in leaves["params"]), default=0),
+                      gathered=gathered)

@@ -20,6 +20,7 @@ import numpy as np
 from maxmoe.config import MESH_AXES, Config, ConfigError
 from maxmoe.metrics.flops import flops_per_token
 from maxmoe.model.spec import layer_groups, pipeline_idle, pipeline_schedule
+from maxmoe.parallel.dispatch import choose_transport
 from maxmoe.plan.cluster import Cluster
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.roofline import step_time
@@ -130,6 +131,10 @@ def layouts(cfg: Config, origins: dict[str, str], cluster: Cluster) -> list[Layo
 SAVED_PER_LAYER = {"full": 1.0, "save_named": 4.0, "dots": 10.0, "offload_named": 1.0,
                    "none": 14.0}
 LOGITS_COPIES = 7  # [tokens, vocab / tensor] float32: logits, softmax, their gradients
+# [vocab, D / tensor] float32 tables: the embedding's and LM head's float32 compute copies,
+# the embedding gather's and the head's gradients and their partial sums (8 such buffers of
+# 3.45 GiB each in the 671B compile at ep64 x fsdp32: docs/performance.md, Scale memory)
+VOCAB_TABLE_COPIES = 8
 UPDATE_COPIES = 2  # of the largest parameter leaf: gradient accumulation over the layer scan
 
 
@@ -183,41 +188,87 @@ def tokens_per_device(cfg: Config, sizes: dict[str, int], microbatches: int) -> 
     return cfg.data.global_batch_size * cfg.data.seq_len / shards(cfg, sizes, "batch") / microbatches
 
 
+def transport(cfg: Config, layout: Layout) -> str:
+    """How the layout moves MoE tokens: "capacity", or the dropless transport `auto` picks
+    (parallel/dispatch.py), "all_gather" or "all_to_all"."""
+    if cfg.moe.dispatch == "capacity":
+        return "capacity"
+    return choose_transport(cfg.moe, layout.sizes["expert"], layout.dcn["expert"])
+
+
+def moe_rows(cfg: Config, layout: Layout, t: float) -> float:
+    """Rows one device's expert shard receives per MoE layer for `t` local tokens: the expert
+    axis's every token (all_gather), or c T K slots (all_to_all at buffer factor c, capacity at
+    the capacity factor)."""
+    e, ep = cfg.moe, layout.sizes["expert"]
+    how = transport(cfg, layout)
+    if how == "all_gather":
+        return t * ep
+    factor = e.capacity_factor if how == "capacity" else e.transport_buffer_factor
+    return factor * t * e.experts_per_token
+
+
 def activation_bytes(cfg: Config, layout: Layout) -> float:
     """Modelled temporaries beyond the gradients: saved residuals of every layer, one MoE
-    layer's gathered tokens and rows (dropless dispatch gathers the expert axis's tokens), and
-    the logits."""
+    layer's received rows (`moe_rows`) and expert intermediates, the logits and the float32
+    vocabulary tables."""
     m, e, sizes = cfg.model, cfg.moe, layout.sizes
     t = tokens_per_device(cfg, sizes, layout.microbatches)
     width = compute_bytes(cfg)
     layers = (m.num_layers + m.mtp_depth) / sizes["pipeline"]
     saved = layers * t * m.hidden_size * width * SAVED_PER_LAYER[layout.remat]
-    ep = sizes["expert"]
-    moe = t * ep * (m.hidden_size * (width + 4) + e.experts_per_token / ep * (
-        2 * e.expert_mlp_size / sizes["tensor"] + m.hidden_size) * 4)
-    logits = LOGITS_COPIES * t * m.vocab_size / sizes["tensor"] * 4
-    return saved + moe + logits
+    intermediates = t * e.experts_per_token * (2 * e.expert_mlp_size / sizes["tensor"]
+                                               + m.hidden_size) * 4
+    if transport(cfg, layout) == "all_gather":
+        moe = moe_rows(cfg, layout, t) * m.hidden_size * (width + 4) + intermediates
+    else:  # send and receive buffers of the same slots, their float32 outputs
+        rows = moe_rows(cfg, layout, t)
+        moe = rows * m.hidden_size * (2 * width + 4) + intermediates * rows / (
+            t * e.experts_per_token)
+    chunk = m.lm_loss_chunk or cfg.data.seq_len  # kernels/lm_loss.py: one chunk's logits
+    logits = LOGITS_COPIES * t * min(chunk / cfg.data.seq_len, 1.0) * m.vocab_size / sizes[
+        "tensor"] * 4
+    tables = VOCAB_TABLE_COPIES * m.vocab_size * m.hidden_size / sizes["tensor"] * 4
+    return saved + moe + logits + tables
 
 
-def comm_bytes(cfg: Config, layout: Layout, params_per_device: int) -> dict:
-    """Modelled bytes one device sends per step, per axis, in collective_bytes' shape: FSDP
-    gathers (forward, backward) and gradient reduce-scatter; dropless dispatch gathers and
-    combines per MoE layer (forward, remat, backward); tensor all-reduces; data all-reduces."""
+def gather_bytes(layout: Layout, gathered: dict[tuple[str, ...], int], width: int) -> dict:
+    """Elements each device receives per step when compute all-gathers the parameters stored
+    over extra axes (StateBytes.gathered), by axis: the gather over a group of axes runs
+    hierarchically, cross-host (DCN) axes first, where the pieces are smallest. Per
+    microbatch: a forward and a backward gather in the compute dtype and the gradient
+    reduce-scatter in float32."""
+    per_axis: dict[str, float] = {}
+    for axes, elements in gathered.items():
+        running = elements
+        for axis in sorted(axes, key=lambda a: layout.dcn[a] == 1):
+            per_axis[axis] = per_axis.get(axis, 0.0) + (layout.sizes[axis] - 1) * running
+            running *= layout.sizes[axis]
+    return {a: n * (2 * width + 4) * layout.microbatches for a, n in per_axis.items()}
+
+
+def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
+    """Modelled bytes one device sends per step, per axis, in collective_bytes' shape: ZeRO-3
+    gathers of the stored parameters and gradient reduce-scatters (`gather_bytes`); MoE token
+    traffic per MoE layer: all_gather's gathers and reduce-scatters (forward, remat, backward),
+    or all_to_all's exchanges of the c T K slots (two forward, two in the remat, four backward);
+    tensor all-reduces."""
     m, sizes = cfg.model, layout.sizes
     t = tokens_per_device(cfg, sizes, 1)
     width = compute_bytes(cfg)
     moe_layers = sum(n for is_moe, _, n in layer_groups(m) if is_moe) + m.mtp_depth
-    f, ep, tp, dp = sizes["fsdp"], sizes["expert"], sizes["tensor"], sizes["data"]
-    elements = params_per_device / 4
-    sent = {
-        "fsdp": (f - 1) * elements * (2 * width + 4) * layout.microbatches,
-        "expert": 3 * (ep - 1) * t * m.hidden_size * (width + 4) * moe_layers,
-        "tensor": 6 * 2 * (tp - 1) / tp * t * m.hidden_size * width * m.num_layers,
-        "data": 2 * (dp - 1) / dp * params_per_device,
-    }
+    ep, tp = sizes["expert"], sizes["tensor"]
+    sent = gather_bytes(layout, state.gathered, width)
+    if transport(cfg, layout) == "all_gather":
+        tokens = 3 * (ep - 1) * t * m.hidden_size * (width + 4) * moe_layers
+    else:
+        tokens = 8 * (ep - 1) / ep * moe_rows(cfg, layout, t) * m.hidden_size * width * moe_layers
+    sent["expert"] = sent.get("expert", 0.0) + tokens
+    sent["tensor"] = sent.get("tensor", 0.0) + (
+        6 * 2 * (tp - 1) / tp * t * m.hidden_size * width * m.num_layers)
     out = {}
     for axis, n in sent.items():
-        if sizes[axis] > 1:
+        if sizes[axis] > 1 and n:
             link = "dcn" if layout.dcn[axis] > 1 else "ici"
             out[axis] = {"estimate": {"ici": 0.0, "dcn": 0.0} | {link: n}}
     return out
@@ -233,7 +284,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     peak = state.total + batch + temporaries
     flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
     bubble = pipeline_idle(cfg.model, layout.sizes["pipeline"])  # with chunk padding
-    step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state.params), bubble)
+    step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state), bubble)
     return Estimate(layout, state.total, temporaries, peak, step.step_s,
                     peak <= cluster.usable_bytes)
 
