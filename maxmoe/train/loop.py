@@ -31,12 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import numpy as np
-from flax import nnx
 
-from maxmoe.config import Config, fail, save_config, to_dict
+from maxmoe.config import Config, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
-from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.flops import peak_flops
 from maxmoe.metrics.host import HostTiming
@@ -44,6 +41,7 @@ from maxmoe.metrics.writers import MetricsWriter
 from maxmoe.plan.live import live_cluster, write_plan
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
+from maxmoe.train.evaluate import Evaluator, model_tokenizer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
 from maxmoe.train.setup import RunSetup, prepare_run
@@ -87,29 +85,6 @@ def data_layout(cfg: Config) -> dict:
     return {"process_count": jax.process_count(), "data": to_dict(cfg)["data"]}
 
 
-def make_evaluator(cfg: Config, trainer, tokenizer):
-    """() -> mean validation loss over cfg.train.eval_batches batches (the same ones each time)."""
-    dataset = make_dataset(cfg.data, tokenizer, split="validation", num_epochs=1,
-                           process_index=jax.process_index(), process_count=jax.process_count())
-
-    @jax.jit
-    def batch_loss(state, batch):
-        buffers = (state["buffers"],) if "buffers" in state else ()
-        # next-token cross-entropy only: the auxiliary MoE losses are not a language metric
-        return nnx.merge(trainer.graphdef, state["params"], *buffers).loss(batch)[1]["ce_loss"]
-
-    def evaluate(state) -> float:
-        losses = []
-        with use_mesh(trainer.mesh, trainer.rules):
-            for i, local in enumerate(dataset):
-                if i == cfg.train.eval_batches:
-                    break
-                losses.append(batch_loss(state, global_batch(local, trainer.batch_sharding)))
-        return float(np.mean(jax.device_get(losses)))
-
-    return evaluate
-
-
 def _open_run_dir(cfg: Config) -> Path:
     """The run directory, created with the resolved config in it (by process 0)."""
     run_dir = Path(cfg.run.dir).resolve()
@@ -117,16 +92,6 @@ def _open_run_dir(cfg: Config) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     return run_dir
-
-
-def _load_tokenizer(cfg: Config):
-    """The data's tokenizer; a vocabulary of another size than the model's is a config error."""
-    tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
-    if tokenizer.vocab_size != cfg.model.vocab_size:
-        fail("model.vocab_size", cfg.model.vocab_size, None, f"the tokenizer at {tokenizer.path} "
-             f"has {tokenizer.vocab_size} tokens",
-             f"set model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
-    return tokenizer
 
 
 def _resume(ckpt: Checkpointer, trainer, dataset, layout: dict, config_json: dict):
@@ -159,7 +124,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     cluster: the --cluster spec that prices <run.dir>/plan.json (default: the devices' kind)."""
     plan_cluster = live_cluster(cluster)  # a bad spec fails before the run dir is made
     run_dir = _open_run_dir(cfg)
-    tokenizer = _load_tokenizer(cfg)
+    tokenizer = model_tokenizer(cfg)
     dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
                            process_count=jax.process_count())
     setup = prepare_run(cfg, mesh_sizes)
@@ -226,11 +191,11 @@ class _Loop:
 
     def evaluator(self, tokenizer) -> Callable[[StepEnd], None]:
         """The eval hook: the validation loss of the step's state into `event.extra`."""
-        evaluate = make_evaluator(self.setup.cfg, self.trainer, tokenizer)
+        evaluate = Evaluator(self.setup.cfg, self.trainer, tokenizer)
 
         def run_eval(event: StepEnd) -> None:
             t = time.perf_counter()
-            event.extra[EVAL_LOSS] = evaluate(event.state)
+            event.extra[EVAL_LOSS] = evaluate(event.state).loss
             self.window.excluded_s += time.perf_counter() - t  # not training time
             self.timing.busy_now()
             log(f"step {event.step}: eval loss {event.extra[EVAL_LOSS]:.4f}")
