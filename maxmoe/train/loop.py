@@ -44,6 +44,7 @@ from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.evaluate import Evaluator, model_tokenizer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
+from maxmoe.train.profiling import ProfileWindow
 from maxmoe.train.setup import RunSetup, prepare_run
 
 
@@ -150,6 +151,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     loop = _Loop(setup, ckpt, data_iter, preemption, LogWindow(setup, peak, HostTiming()))
     if jax.process_index() == 0:
         loop.plan = (run_dir / "plan.json", plan_cluster)
+    loop.profile = ProfileWindow.from_config(cfg, run_dir, start + 1, log)
     loop.hooks += [
         *([Hook(cfg.train.eval_every_steps, loop.evaluator(tokenizer), reads_state=True)]
           if cfg.train.eval_every_steps else []),
@@ -164,6 +166,8 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
         final_step = loop.run(state, start, summary)
     finally:
         preemption.restore()
+        if loop.profile is not None:
+            loop.profile.close()  # a window cut short (SIGTERM, a guard's stop)
         writer.close()
         ckpt.close()
         data_iter.close()  # stops the prefetch thread
@@ -188,6 +192,7 @@ class _Loop:
         self.save_blocking_s: list[float] = []
         self.t0 = 0.0  # when the loop started: the first step's compile time counts from it
         self.plan = None  # (path, cluster or None): where process 0 writes the plan's figures
+        self.profile: ProfileWindow | None = None  # logging.profile_start's trace window
 
     def evaluator(self, tokenizer) -> Callable[[StepEnd], None]:
         """The eval hook: the validation loss of the step's state into `event.extra`."""
@@ -252,6 +257,8 @@ class _Loop:
         t = time.perf_counter()
         with use_mesh(self.trainer.mesh, self.trainer.rules):
             compiled = self.trainer.jitted_step.lower(state, batch).compile()
+        if self.profile is not None:
+            self.profile.compiled = compiled  # its HLO names the traced ops
         if self.plan is not None:
             path, cluster = self.plan
             summary["plan_json_s"] = round(
@@ -259,6 +266,22 @@ class _Loop:
         if jax.process_count() > 1:
             wait_for_processes("maxmoe_first_step_compiled",
                                self.setup.cfg.distributed.initialization_timeout_s)
+
+    def dispatch(self, state, batch, done: int):
+        """Dispatches step `done` (1-based) -> (state, metrics), not waiting for it; the
+        profiling window starts before its first step and stops after its last, waiting for
+        whole steps. Those waits are device time; reading the trace back is not training time."""
+        profile, timing = self.profile, self.timing
+        if profile is not None and profile.before(done, state):
+            timing.busy_now()
+        timing.dispatching()
+        state, metrics = self.trainer.step(state, batch)
+        timing.dispatched(metrics)
+        if profile is not None and (spent := profile.after(done, (state, metrics))) is not None:
+            timing.busy_now()
+            if self.window.started is not None:  # else no window is open to keep it out of
+                self.window.excluded_s += spent
+        return state, metrics
 
     def next_batch(self):
         return global_batch(self.timing.next_batch(self.data_iter), self.trainer.batch_sharding)
@@ -269,16 +292,14 @@ class _Loop:
         One step late: step N is dispatched before step N-1's metrics are read, so the device
         runs step N while the host settles N-1 (guards, logging). A step whose state a hook
         reads, the first and the last are settled before anything else happens."""
-        total, trainer, timing = self.setup.cfg.train.steps, self.trainer, self.timing
+        total, timing = self.setup.cfg.train.steps, self.timing
         self.t0 = time.perf_counter()
         step, batch, pending = start, self.next_batch(), None
         self.compile_first(state, batch, summary)
         while step < total:  # a guard rollback moves `step` back
             if batch is None:
                 batch = self.next_batch()
-            timing.dispatching()
-            state, metrics = trainer.step(state, batch)
-            timing.dispatched(metrics)
+            state, metrics = self.dispatch(state, batch, step + 1)
             done, batch = step + 1, None
             stop = self.preemption.reached(done)
             last = done == total or stop
