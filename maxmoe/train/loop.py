@@ -19,7 +19,10 @@ logging window (see metrics/host.py).
 
 Cadences are hooks, run in order after a step: eval (train.eval_every_steps), the metrics
 writer (logging.every_steps, the last step and every eval step) and the checkpoint save
-(checkpoint.every_steps and the last step). See `train/hooks.py`.
+(checkpoint.every_steps and the last step). See `train/hooks.py`. The profiling window
+(logging.profile_start, `train/profiling.py`) is no after-step hook: it wraps the dispatch of
+its first and last steps, waiting for whole steps at its edges. The eval hook runs
+`train/evaluate.py`'s Evaluator, which `maxmoe eval` runs on a saved checkpoint.
 """
 
 from __future__ import annotations
