@@ -12,10 +12,19 @@ import argparse
 import sys
 
 from maxmoe import malloc
-from maxmoe.commands import bench, convert, data, forward, plan, train
+from maxmoe.commands import (
+    bench,
+    convert,
+    data,
+    eval as evaluate,  # `eval` itself would shadow the builtin
+    forward,
+    plan,
+    train,
+)
 from maxmoe.config import ConfigError
 
-COMMANDS = (train, plan, data, bench, convert, forward)  # the order `maxmoe --help` lists them in
+# the order `maxmoe --help` lists them in
+COMMANDS = (train, evaluate, plan, data, bench, convert, forward)
 
 
 def build_parser() -> argparse.ArgumentParser:

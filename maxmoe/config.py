@@ -258,6 +258,8 @@ class LoggingConfig:
     every_steps: int = 10  # metrics.jsonl / progress bar update period
     progress_bar: bool = True
     peak_flops_per_device: float = 0.0  # for MFU; 0 = known GPU table, or measured on CPU
+    profile_start: int = 0  # first step traced into <run.dir>/profile (train/profiling.py); 0 = off
+    profile_steps: int = 3  # steps traced from profile_start (two keys: YAML reads 10:20 as 620)
 
 
 @dataclass(frozen=True)

@@ -231,6 +231,10 @@ def check_guard(g: GuardConfig, need: Need) -> None:
 
 def check_logging(lg: LoggingConfig, need: Need) -> None:
     need.positive("logging.every_steps")
+    need(lg.profile_start >= 0, "logging.profile_start", "must be >= 0",
+         "use 0 (off) or the first step to trace, e.g. 10")
+    need(lg.profile_start == 0 or lg.profile_steps >= 1, "logging.profile_steps",
+         "must be >= 1 when logging.profile_start is set", "use e.g. 3")
 
 
 def check_distributed(dist: DistributedConfig, need: Need) -> None:
@@ -261,6 +265,13 @@ SECTION_CHECKS = {
 def check_best_checkpoint_needs_evals(cfg: Config, need: Need) -> None:
     need(cfg.checkpoint.keep_best == 0 or cfg.train.eval_every_steps > 0, "checkpoint.keep_best",
          "ranking by eval loss needs evaluations", "set train.eval_every_steps or keep_best=0")
+
+
+def check_profile_window(cfg: Config, need: Need) -> None:
+    start, steps = cfg.logging.profile_start, cfg.logging.profile_steps
+    need(start == 0 or start + steps - 1 <= cfg.train.steps, "logging.profile_start",
+         f"traces steps {start}-{start + steps - 1}, past train.steps = {cfg.train.steps}",
+         "start earlier, trace fewer logging.profile_steps, or raise train.steps")
 
 
 def check_loss_chunk(cfg: Config, need: Need) -> None:
@@ -405,6 +416,7 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
         check(getattr(cfg, section), need)
     check_best_checkpoint_needs_evals(cfg, need)
     check_loss_chunk(cfg, need)
+    check_profile_window(cfg, need)
     if reads_data:
         check_data_fits_model(cfg, need)
     sizes = resolve_mesh_shape(cfg, num_devices, origins)

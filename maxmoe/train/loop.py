@@ -19,7 +19,10 @@ logging window (see metrics/host.py).
 
 Cadences are hooks, run in order after a step: eval (train.eval_every_steps), the metrics
 writer (logging.every_steps, the last step and every eval step) and the checkpoint save
-(checkpoint.every_steps and the last step). See `train/hooks.py`.
+(checkpoint.every_steps and the last step). See `train/hooks.py`. The profiling window
+(logging.profile_start, `train/profiling.py`) is no after-step hook: it wraps the dispatch of
+its first and last steps, waiting for whole steps at its edges. The eval hook runs
+`train/evaluate.py`'s Evaluator, which `maxmoe eval` runs on a saved checkpoint.
 """
 
 from __future__ import annotations
@@ -31,12 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import numpy as np
-from flax import nnx
 
-from maxmoe.config import Config, fail, save_config, to_dict
+from maxmoe.config import Config, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
-from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.flops import peak_flops
 from maxmoe.metrics.host import HostTiming
@@ -44,8 +44,10 @@ from maxmoe.metrics.writers import MetricsWriter
 from maxmoe.plan.live import live_cluster, write_plan
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
+from maxmoe.train.evaluate import Evaluator, model_tokenizer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
+from maxmoe.train.profiling import ProfileWindow
 from maxmoe.train.setup import RunSetup, prepare_run
 
 
@@ -87,29 +89,6 @@ def data_layout(cfg: Config) -> dict:
     return {"process_count": jax.process_count(), "data": to_dict(cfg)["data"]}
 
 
-def make_evaluator(cfg: Config, trainer, tokenizer):
-    """() -> mean validation loss over cfg.train.eval_batches batches (the same ones each time)."""
-    dataset = make_dataset(cfg.data, tokenizer, split="validation", num_epochs=1,
-                           process_index=jax.process_index(), process_count=jax.process_count())
-
-    @jax.jit
-    def batch_loss(state, batch):
-        buffers = (state["buffers"],) if "buffers" in state else ()
-        # next-token cross-entropy only: the auxiliary MoE losses are not a language metric
-        return nnx.merge(trainer.graphdef, state["params"], *buffers).loss(batch)[1]["ce_loss"]
-
-    def evaluate(state) -> float:
-        losses = []
-        with use_mesh(trainer.mesh, trainer.rules):
-            for i, local in enumerate(dataset):
-                if i == cfg.train.eval_batches:
-                    break
-                losses.append(batch_loss(state, global_batch(local, trainer.batch_sharding)))
-        return float(np.mean(jax.device_get(losses)))
-
-    return evaluate
-
-
 def _open_run_dir(cfg: Config) -> Path:
     """The run directory, created with the resolved config in it (by process 0)."""
     run_dir = Path(cfg.run.dir).resolve()
@@ -117,16 +96,6 @@ def _open_run_dir(cfg: Config) -> Path:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     return run_dir
-
-
-def _load_tokenizer(cfg: Config):
-    """The data's tokenizer; a vocabulary of another size than the model's is a config error."""
-    tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
-    if tokenizer.vocab_size != cfg.model.vocab_size:
-        fail("model.vocab_size", cfg.model.vocab_size, None, f"the tokenizer at {tokenizer.path} "
-             f"has {tokenizer.vocab_size} tokens",
-             f"set model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
-    return tokenizer
 
 
 def _resume(ckpt: Checkpointer, trainer, dataset, layout: dict, config_json: dict):
@@ -159,7 +128,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     cluster: the --cluster spec that prices <run.dir>/plan.json (default: the devices' kind)."""
     plan_cluster = live_cluster(cluster)  # a bad spec fails before the run dir is made
     run_dir = _open_run_dir(cfg)
-    tokenizer = _load_tokenizer(cfg)
+    tokenizer = model_tokenizer(cfg)
     dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
                            process_count=jax.process_count())
     setup = prepare_run(cfg, mesh_sizes)
@@ -185,6 +154,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     loop = _Loop(setup, ckpt, data_iter, preemption, LogWindow(setup, peak, HostTiming()))
     if jax.process_index() == 0:
         loop.plan = (run_dir / "plan.json", plan_cluster)
+    loop.profile = ProfileWindow.from_config(cfg, run_dir, start + 1, log)
     loop.hooks += [
         *([Hook(cfg.train.eval_every_steps, loop.evaluator(tokenizer), reads_state=True)]
           if cfg.train.eval_every_steps else []),
@@ -199,6 +169,8 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
         final_step = loop.run(state, start, summary)
     finally:
         preemption.restore()
+        if loop.profile is not None:
+            loop.profile.close()  # a window cut short (SIGTERM, a guard's stop)
         writer.close()
         ckpt.close()
         data_iter.close()  # stops the prefetch thread
@@ -223,14 +195,15 @@ class _Loop:
         self.save_blocking_s: list[float] = []
         self.t0 = 0.0  # when the loop started: the first step's compile time counts from it
         self.plan = None  # (path, cluster or None): where process 0 writes the plan's figures
+        self.profile: ProfileWindow | None = None  # logging.profile_start's trace window
 
     def evaluator(self, tokenizer) -> Callable[[StepEnd], None]:
         """The eval hook: the validation loss of the step's state into `event.extra`."""
-        evaluate = make_evaluator(self.setup.cfg, self.trainer, tokenizer)
+        evaluate = Evaluator(self.setup.cfg, self.trainer, tokenizer)
 
         def run_eval(event: StepEnd) -> None:
             t = time.perf_counter()
-            event.extra[EVAL_LOSS] = evaluate(event.state)
+            event.extra[EVAL_LOSS] = evaluate(event.state).loss
             self.window.excluded_s += time.perf_counter() - t  # not training time
             self.timing.busy_now()
             log(f"step {event.step}: eval loss {event.extra[EVAL_LOSS]:.4f}")
@@ -287,6 +260,8 @@ class _Loop:
         t = time.perf_counter()
         with use_mesh(self.trainer.mesh, self.trainer.rules):
             compiled = self.trainer.jitted_step.lower(state, batch).compile()
+        if self.profile is not None:
+            self.profile.compiled = compiled  # its HLO names the traced ops
         if self.plan is not None:
             path, cluster = self.plan
             summary["plan_json_s"] = round(
@@ -294,6 +269,22 @@ class _Loop:
         if jax.process_count() > 1:
             wait_for_processes("maxmoe_first_step_compiled",
                                self.setup.cfg.distributed.initialization_timeout_s)
+
+    def dispatch(self, state, batch, done: int):
+        """Dispatches step `done` (1-based) -> (state, metrics), not waiting for it; the
+        profiling window starts before its first step and stops after its last, waiting for
+        whole steps. Those waits are device time; reading the trace back is not training time."""
+        profile, timing = self.profile, self.timing
+        if profile is not None and profile.before(done, state):
+            timing.busy_now()
+        timing.dispatching()
+        state, metrics = self.trainer.step(state, batch)
+        timing.dispatched(metrics)
+        if profile is not None and (spent := profile.after(done, (state, metrics))) is not None:
+            timing.busy_now()
+            if self.window.started is not None:  # else no window is open to keep it out of
+                self.window.excluded_s += spent
+        return state, metrics
 
     def next_batch(self):
         return global_batch(self.timing.next_batch(self.data_iter), self.trainer.batch_sharding)
@@ -304,16 +295,14 @@ class _Loop:
         One step late: step N is dispatched before step N-1's metrics are read, so the device
         runs step N while the host settles N-1 (guards, logging). A step whose state a hook
         reads, the first and the last are settled before anything else happens."""
-        total, trainer, timing = self.setup.cfg.train.steps, self.trainer, self.timing
+        total, timing = self.setup.cfg.train.steps, self.timing
         self.t0 = time.perf_counter()
         step, batch, pending = start, self.next_batch(), None
         self.compile_first(state, batch, summary)
         while step < total:  # a guard rollback moves `step` back
             if batch is None:
                 batch = self.next_batch()
-            timing.dispatching()
-            state, metrics = trainer.step(state, batch)
-            timing.dispatched(metrics)
+            state, metrics = self.dispatch(state, batch, step + 1)
             done, batch = step + 1, None
             stop = self.preemption.reached(done)
             last = done == total or stop

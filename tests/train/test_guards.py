@@ -12,7 +12,7 @@ import pytest
 
 from maxmoe.config import CheckpointConfig, GuardConfig
 from maxmoe.sharding import make_mesh
-from maxmoe.train import loop, setup
+from maxmoe.train import evaluate, loop, setup
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.guards import Action, Guard, StepGuard, TrainingStopped
 from maxmoe.validation import validate
@@ -111,7 +111,7 @@ def _train(tmp_path, monkeypatch, name, poison, *extra):
         "checkpoint.every_steps=10", "checkpoint.async_save=false", "logging.every_steps=1",
         "logging.progress_bar=false", "guard.spike_window=10", "guard.spike_action=rollback",
         f"run.dir={tmp_path / name}", *extra)
-    monkeypatch.setattr(loop, "load_tokenizer", lambda *a, **k: _Tokenizer())
+    monkeypatch.setattr(evaluate, "load_tokenizer", lambda *a, **k: _Tokenizer())
     monkeypatch.setattr(loop, "make_dataset", lambda *a, **k: _fake_data(cfg, poison))
     monkeypatch.setattr(setup, "make_mesh", lambda sizes, **_: make_mesh(sizes, jax.devices()[:1]))
     summary = loop.train(cfg, validate(cfg, 1, origins))

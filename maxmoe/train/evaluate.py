@@ -1,0 +1,149 @@
+"""Held-out loss of a model: the in-loop evaluation and `maxmoe eval` run this one code path.
+
+`Evaluator(cfg, trainer, tokenizer)(state)` reads the first train.eval_batches batches of the
+validation split (the same ones on every call), runs one compiled forward per batch and returns
+an `Evaluation`: the mean over batches of each batch's next-token cross-entropy (the auxiliary
+MoE losses are not a language metric), its perplexity and the throughput. `state` is a train
+state or any dict with its "params" (and "buffers", the router bias, where the model has them),
+so a full state in the loop and a params-only restore (`evaluate_checkpoint`) give the same
+figures bit for bit on the same mesh: same batches, same compiled function, same inputs.
+
+`find_checkpoint` and `evaluate_checkpoint` are what `maxmoe eval` runs on a run directory or a
+checkpoint step directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from maxmoe.config import Config, ConfigError, fail
+from maxmoe.data.pipeline import make_dataset
+from maxmoe.data.tokenizer import load_tokenizer
+from maxmoe.sharding import global_batch, use_mesh
+from maxmoe.train.checkpoint import restore_params
+from maxmoe.train.setup import RunSetup
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """What one evaluation measured."""
+    loss: float  # mean over batches of the batch's mean next-token cross-entropy, nats
+    batches: int  # batches read (fewer than asked when the split ends first)
+    tokens: int  # positions run through the model: batches x global batch x seq_len
+    seconds: float  # wall time of the batches (reading data included), compile excluded
+    compile_seconds: float  # compiling the forward on this call (0.0 once compiled)
+
+    @property
+    def perplexity(self) -> float:
+        """exp(loss): inf where the loss overflows it (an untrained or broken model)."""
+        return math.inf if self.loss > 700 else math.exp(self.loss)  # NaN stays NaN
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class Evaluator:
+    """`evaluator(state) -> Evaluation` over cfg.train.eval_batches batches of `split`.
+
+    The forward is compiled on the first call (timed apart, in `compile_seconds`) and reused;
+    every call reads the split from its start, so repeated calls see the same batches."""
+
+    def __init__(self, cfg: Config, trainer, tokenizer, split: str = "validation"):
+        self.cfg, self.trainer = cfg, trainer
+        self.dataset = make_dataset(cfg.data, tokenizer, split=split, num_epochs=1,
+                                    process_index=jax.process_index(),
+                                    process_count=jax.process_count())
+        self._compiled = None
+
+        def batch_loss(params, buffers, batch):
+            return nnx.merge(trainer.graphdef, params, *buffers).loss(batch)[1]["ce_loss"]
+
+        self._batch_loss = jax.jit(batch_loss)
+
+    def __call__(self, state) -> Evaluation:
+        params, buffers = state["params"], (state["buffers"],) if "buffers" in state else ()
+        losses, compile_s = [], 0.0
+        t = time.perf_counter()
+        with use_mesh(self.trainer.mesh, self.trainer.rules):
+            for i, local in enumerate(self.dataset):
+                if i == self.cfg.train.eval_batches:
+                    break
+                batch = global_batch(local, self.trainer.batch_sharding)
+                if self._compiled is None:
+                    c = time.perf_counter()
+                    self._compiled = self._batch_loss.lower(params, buffers, batch).compile()
+                    compile_s = time.perf_counter() - c
+                losses.append(self._compiled(params, buffers, batch))
+            loss = float(np.mean(jax.device_get(losses))) if losses else math.nan
+        seconds = time.perf_counter() - t - compile_s
+        tokens = len(losses) * self.cfg.data.global_batch_size * self.cfg.data.seq_len
+        return Evaluation(loss, len(losses), tokens, seconds, compile_s)
+
+
+def model_tokenizer(cfg: Config):
+    """The tokenizer of cfg.data; a vocabulary of another size than the model's is a config
+    error."""
+    tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
+    if tokenizer.vocab_size != cfg.model.vocab_size:
+        fail("model.vocab_size", cfg.model.vocab_size, None, f"the tokenizer at {tokenizer.path} "
+             f"has {tokenizer.vocab_size} tokens",
+             f"set model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
+    return tokenizer
+
+
+def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
+    """A run directory (its newest committed step) or one step directory (`<run>/checkpoints/
+    <step>`) -> (run directory, step directory). Raises a one-line ConfigError otherwise.
+
+    Steps are the all-digit folders: Orbax names a save in progress `<step>.orbax-checkpoint-
+    tmp-*` until it commits, so a run still training can be evaluated as it goes."""
+    given = Path(path).expanduser().resolve()
+    if not given.is_dir():
+        raise ConfigError(f"checkpoint {str(path)!r}: no such directory; pass a run directory "
+                          "(run.dir of `maxmoe train`) or one of its checkpoints/<step> folders")
+    if given.name.isdigit() and (given / "state").is_dir():
+        return given.parent.parent, given
+    steps = sorted((p for p in (given / "checkpoints").glob("*") if p.name.isdigit()
+                    and (p / "state").is_dir()), key=lambda p: int(p.name))
+    if not steps:
+        raise ConfigError(f"checkpoint {str(path)!r}: holds no committed checkpoint (no "
+                          f"checkpoints/<step>/state); train it with checkpoint.enabled=true, "
+                          "or pass a checkpoints/<step> folder")
+    return given, steps[-1]
+
+
+def run_config_file(run_dir: Path, step_dir: Path) -> Path:
+    """The config a checkpoint was trained with: <run>/config.yaml, else the step's own saved
+    config (JSON, which YAML reads) when the step folder was copied away from its run."""
+    for candidate in (run_dir / "config.yaml", step_dir / "config" / "metadata"):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"checkpoint {str(step_dir)!r}: found neither {run_dir / 'config.yaml'} "
+                      "nor a saved config in the step; pass the run directory `maxmoe train` "
+                      "wrote")
+
+
+def evaluate_checkpoint(setup: RunSetup, step_dir: Path, tokenizer,
+                        split: str = "validation") -> Evaluation:
+    """Restores the params (and router buffers) of `step_dir` onto setup's mesh and evaluates
+    them with the Evaluator the train loop uses; reads no optimizer state and writes nothing
+    (safe next to a job still training into the same directory)."""
+    params = restore_params(step_dir, setup.trainer.abstract_state)
+    evaluator = Evaluator(setup.cfg, setup.trainer, tokenizer, split)
+    return evaluator(params)
+
+
+def eval_tokenizer(run_cfg: Config, cfg: Config):
+    """The model's tokenizer for evaluating `cfg`'s data: the one the run trained with
+    (run_cfg.data; cfg's data.tokenizer_dir where that is set), never one trained anew on the
+    evaluation source. (A prepared source tokenized with another one fails in the pipeline.)"""
+    data = dataclasses.replace(run_cfg.data, tokenizer_dir=cfg.data.tokenizer_dir)
+    return model_tokenizer(dataclasses.replace(run_cfg, data=data))
