@@ -12,10 +12,10 @@ import argparse
 import sys
 
 from maxmoe import malloc
-from maxmoe.commands import bench, convert, data, forward, plan, train
+from maxmoe.commands import bench, convert, data, forward, plan, report, train
 from maxmoe.config import ConfigError
 
-COMMANDS = (train, plan, data, bench, convert, forward)  # the order `maxmoe --help` lists them in
+COMMANDS = (train, plan, data, bench, convert, forward, report)  # the order `maxmoe --help` lists them in
 
 
 def build_parser() -> argparse.ArgumentParser:
