@@ -98,23 +98,32 @@ class _Collector:
     """Accumulates metrics records into per-key step/value lists (scalars every record, arrays
     on sampled records)."""
 
-    def __init__(self, stride: int, total: int):
-        self.stride, self.total = stride, total
+    def __init__(self, stride: int):
+        self.stride = stride
         self.scalars: dict[str, tuple[list, list]] = {}
         self.arrays: dict[str, tuple[list, list]] = {}
         self.dead: dict[str, list[int]] = {}
         self.dead_since: dict[tuple[str, int], int] = {}
         self.count = 0
+        self.pending: dict | None = None  # the newest record when it was not sampled
+
+    def finish(self) -> None:
+        """Adds the newest record's arrays: the heatmaps end where the run does."""
+        if self.pending is not None:
+            self.add(0, self.pending, arrays_only=True)
 
     def _put(self, table: dict, key: str, step: int, value) -> None:
         steps, values = table.setdefault(key, ([], []))
         steps.append(step)
         values.append(value)
 
-    def add(self, index: int, rec: dict) -> None:
+    def add(self, index: int, rec: dict, arrays_only: bool = False) -> None:
+        """Takes one record: its scalars, and its arrays on every stride-th record (the newest
+        record's arrays `finish` adds)."""
         step = rec["step"]
-        sampled = index % self.stride == 0 or index == self.total - 1
-        self.count += 1
+        sampled = arrays_only or index % self.stride == 0
+        self.pending = None if sampled else rec
+        self.count += not arrays_only
         for key, v in rec.items():
             if key == "step":
                 continue
@@ -122,13 +131,14 @@ class _Collector:
                 self._dead(step, v)
             elif isinstance(v, dict):
                 for group, gv in v.items():
-                    self._value(f"{key}/{group}", step, gv, sampled)
+                    self._value(f"{key}/{group}", step, gv, sampled, not arrays_only)
             else:
-                self._value(key, step, v, sampled)
+                self._value(key, step, v, sampled, not arrays_only)
 
-    def _value(self, key: str, step: int, v, sampled: bool) -> None:
+    def _value(self, key: str, step: int, v, sampled: bool, scalars: bool) -> None:
         if _is_number(v):
-            self._put(self.scalars, key, step, _float(v))
+            if scalars:
+                self._put(self.scalars, key, step, _float(v))
         elif isinstance(v, list) and sampled:
             try:
                 arr = np.array(v, dtype=np.float32)  # None -> NaN
@@ -164,15 +174,15 @@ def _layer_order(layer: str):
 def _line_count(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b"")) + 1
+    # (+1: a killed run's last line has no newline; one sample more or less does not matter)
 
 
 def read_metrics(path: Path, notes: list[str]) -> _Collector:
     """metrics.jsonl into a _Collector (arrays sampled to at most MAX_SAMPLES records)."""
-    total = _line_count(path)
-    collector = _Collector(max(1, math.ceil(total / MAX_SAMPLES)), total)
+    collector = _Collector(max(1, math.ceil(_line_count(path) / MAX_SAMPLES)))
     for i, rec in enumerate(iter_jsonl(path, notes)):
         collector.add(i, rec)
-    collector.total = collector.count
+    collector.finish()
     return collector
 
 
