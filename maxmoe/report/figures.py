@@ -250,7 +250,8 @@ def plan_svg(plan: dict) -> str | None:
     for axis, kinds in (plan.get("collective_bytes_per_step") or {}).items():
         if isinstance(kinds, dict):
             for link in ("ici", "dcn"):
-                total = sum(k.get(link, 0.0) for k in kinds.values() if isinstance(k, dict))
+                total = sum(v for k in kinds.values() if isinstance(k, dict)
+                            for v in [k.get(link)] if isinstance(v, int | float))
                 if total:
                     comm[f"{axis} ({link})"] = total / mib
     if comm:

@@ -232,8 +232,8 @@ def check_run_dir(path: Path) -> None:
 
 
 def load_run(path: Path, name: str | None = None) -> Run | None:
-    """The run in directory `path`, or None (with why in the returned notes' place: raises
-    nothing) when it has no valid metrics record. Raises ConfigError when `path` is no dir."""
+    """The run in directory `path`, or None when it has no metrics.jsonl or no valid record
+    in it (load_runs says which). Raises ConfigError when `path` is not a directory."""
     check_run_dir(path)
     notes: list[str] = []
     metrics = path / "metrics.jsonl"

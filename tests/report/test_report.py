@@ -112,3 +112,25 @@ def test_downsampling_keeps_a_one_step_spike():
 def test_run_names_tell_same_named_dirs_apart(tmp_path):
     names = run_names([tmp_path / "a" / "tiny", tmp_path / "b" / "tiny", tmp_path / "c"])
     assert names == ["a/tiny", "b/tiny", f"{tmp_path.name}/c"]
+
+
+def test_odd_records_and_a_garbled_plan_still_render(tmp_path, capsys):
+    """Keys of the wrong type or shape are left out, not a traceback: a run of another
+    version, or a hand-edited file, still gets its page."""
+    records = [{"step": 1}, {"step": 2, "loss": None, "expert_load_fraction": [0.5, 0.5]},
+               {"step": 3, "loss": "high", "grad_norm_by_group": {"x": {"y": 1}},
+                "weird": [["a"]], "ragged": [[1.0], [1.0, 2.0]], "dead_experts": {"0": ["x"]}},
+               {"step": 4, "loss": 2.0, "learning_rate": float("nan")}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "events.jsonl").write_text('{"step": 3, "kind": "stop", "message": "<b>x</b>"}\n'
+                                           '{"kind": "skip"}\n')
+    (tmp_path / "plan.json").write_text(json.dumps({
+        "memory_by_part": {"parameters": "many"}, "mesh": [1, 2],
+        "collective_bytes_per_step": {"data": {"all-reduce": {"ici": "x"}}, "fsdp": 3}}))
+    (tmp_path / "config.yaml").write_text("model: [unclosed\n")
+    assert main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    err = capsys.readouterr().err
+    assert "events.jsonl: skipped line 2" in err and "config.yaml: not valid YAML" in err
+    assert "&lt;b&gt;x&lt;/b&gt;" in page and "<b>x</b>" not in page  # messages are escaped
+    assert "No <code>expert_load_fraction</code>" in page  # [2] is not [L_moe, E]
