@@ -151,7 +151,7 @@ def _dead_table(run: Run) -> str:
             for layer, ids in run.dead_experts.items()]
     return ("<p>Dead experts at the last logged step (no tokens for "
             "<code>guard.dead_expert_windows</code> logging windows):</p>"
-            + table(["layer (as logged)", "experts", "count", "first dead since step"], rows))
+            + table(["layer (as logged)", "experts", "count", "reported dead since step"], rows))
 
 
 def load_section(run: Run) -> str:
@@ -163,7 +163,7 @@ def load_section(run: Run) -> str:
                 + _dead_table(run))
     experts = load.values.shape[2]
     labels = _moe_labels(run, load.values.shape[1])
-    ratio = Series(load.steps, np.nanmax(load.values, axis=2) * experts)  # max/mean load
+    ratio = Series(load.steps, np.nan_to_num(load.values).max(axis=2) * experts)  # max/mean
     overview = figures.layer_time_uri(ratio, "max / mean expert load per MoE layer "
                                       "(1 = balanced)", "MoE layer", cmap="magma", vmin=1.0)
     dead_by_row = _dead_rows(run, labels)
