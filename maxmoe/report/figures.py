@@ -141,6 +141,8 @@ def curves_svg(runs: list[Run], panels: list[tuple[str, list[str], bool]],
         ax.set_xlabel("step")
         if not any(drawn):
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
             continue
         if log:
             ax.set_yscale("log")

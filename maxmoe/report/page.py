@@ -95,7 +95,7 @@ def summary_section(runs: list[Run]) -> str:
                      _last(run, "loss"), best_eval, _last(run, "tokens_per_second"),
                      _last(run, "mfu"), len(run.events), len(skips)])
     return table(["run", "dir", "logged steps", "steps", "last loss", "best eval loss",
-                  "last tokens/s", "last MFU", "events", "steps with skipped updates"], rows)
+                  "last tokens/s", "last MFU", "events", "skip marks"], rows)
 
 
 def notes_section(notes: list[str]) -> str:
@@ -121,7 +121,8 @@ def events_section(runs: list[Run]) -> str:
     """Each run's events.jsonl as a table (the first MAX_EVENT_ROWS)."""
     out = ["<h2>Guard events</h2><p class=muted>Marked on every curve along its top edge "
            "(one row of markers per run; shapes in the legends). Skipped updates are read from "
-           "the metrics too (<code>skipped</code>, <code>skipped_steps</code>).</p>"]
+           "the metrics too (<code>skipped</code>, <code>skipped_steps</code>): those mark the "
+           "logged step whose window had them.</p>"]
     for run in runs:
         if not run.events:
             out.append(f"<p>{esc(run.name)}: no events.jsonl entries.</p>")
