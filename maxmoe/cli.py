@@ -19,12 +19,13 @@ from maxmoe.commands import (
     eval as evaluate,  # `eval` itself would shadow the builtin
     forward,
     plan,
+    report,
     train,
 )
 from maxmoe.config import ConfigError
 
 # the order `maxmoe --help` lists them in
-COMMANDS = (train, evaluate, plan, data, bench, convert, forward)
+COMMANDS = (train, evaluate, plan, data, bench, convert, forward, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,7 +48,7 @@ def test_error_names_the_file(tmp_path, capsys):
 
 HELP_ARGVS = [["--help"], ["train", "--help"], ["bench", "--help"], ["data", "--help"],
               ["data", "prepare", "--help"], ["convert", "to-hf", "--help"], ["forward", "--help"],
-              ["eval", "--help"]]
+              ["eval", "--help"], ["report", "--help"]]
 
 
 def test_help_imports_no_jax():
