@@ -258,6 +258,9 @@ class LoggingConfig:
     every_steps: int = 10  # metrics.jsonl / progress bar update period
     progress_bar: bool = True
     peak_flops_per_device: float = 0.0  # for MFU; 0 = known GPU table, or measured on CPU
+    tensorboard: bool = True  # TensorBoard event files in <run.dir>/tensorboard (process 0)
+    wandb_project: str = ""  # W&B project to log to; empty = off (pip install 'maxmoe[wandb]')
+    wandb_mode: str = "offline"  # W&B mode: offline (no network; `wandb sync` later) | online
 
 
 @dataclass(frozen=True)

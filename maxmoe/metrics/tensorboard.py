@@ -1,0 +1,117 @@
+"""TensorBoard event files from metrics records (tensorboardX: no TensorFlow needed).
+
+Tags (README "Metrics"), for any record:
+- a scalar: under its key;
+- an [L] array: one scalar per entry, `key/layer_NN` (NN the index in the array, two digits);
+- a dict of groups: `key/group/layer_NN` for an array, `key/group` for a scalar; a dict keyed
+  by layer numbers (`dead_experts` {"<layer>": [expert ids]}): `key/layer_NN` = how many ids;
+- an [L, E] array: a histogram of its row per layer, `key/layer_NN`, and for the keys in
+  HEATMAPS one image `key/heatmap` (matplotlib, rows = MoE layers, columns = experts).
+Non-finite values (null in metrics.jsonl) and strings are left out; arrays of more than two
+dimensions too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+# the object-oriented API with the Agg canvas: no pyplot, no GUI backend, safe off the main thread
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from tensorboardX import SummaryWriter
+
+HEATMAPS = ("expert_load_fraction",)  # [L_moe, E] arrays also drawn as an image
+
+
+@dataclasses.dataclass
+class Flat:
+    """A record in TensorBoard's terms: tag -> scalar, tag -> values of one histogram,
+    key -> 2-D array drawn as a heatmap."""
+    scalars: dict[str, float] = dataclasses.field(default_factory=dict)
+    histograms: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    heatmaps: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+def _layers(tag: str, n: int):
+    return [f"{tag}/layer_{i:02d}" for i in range(n)]
+
+
+def _add(flat: Flat, tag: str, value, top: bool) -> None:
+    if isinstance(value, dict):
+        if value and all(str(k).isdigit() for k in value):  # {"<layer>": [ids]}: counts
+            for k, ids in value.items():
+                flat.scalars[f"{tag}/layer_{int(k):02d}"] = float(len(ids))
+            return
+        for k, v in value.items():
+            _add(flat, f"{tag}/{k}", v, top=False)
+        return
+    if value is None or isinstance(value, str):
+        return
+    try:
+        a = np.asarray(value, dtype=np.float64)  # JSON's null inside a list -> NaN
+    except (TypeError, ValueError):
+        return
+    if a.ndim == 0:
+        if np.isfinite(a):
+            flat.scalars[tag] = float(a)
+    elif a.ndim == 1:
+        flat.scalars.update({t: float(v) for t, v in zip(_layers(tag, len(a)), a, strict=True)
+                             if np.isfinite(v)})
+    elif a.ndim == 2:
+        for t, row in zip(_layers(tag, len(a)), a, strict=True):
+            if np.isfinite(row).any():
+                flat.histograms[t] = row[np.isfinite(row)]
+        if top and tag in HEATMAPS:
+            flat.heatmaps[tag] = a
+
+
+def flatten(record: dict) -> Flat:
+    """A metrics record (host values, or metrics.jsonl's JSON) -> its tags (module doc)."""
+    flat = Flat()
+    for key, value in record.items():
+        if key != "step":
+            _add(flat, key, value, top=True)
+    return flat
+
+
+def heatmap_image(values: np.ndarray, title: str) -> np.ndarray:
+    """An [L, E] array drawn as a heatmap (rows: layers, columns: experts, with a colour bar)
+    -> uint8 RGB pixels [H, W, 3]."""
+    rows, cols = values.shape
+    fig = Figure(figsize=(8.0, 1.5 + min(rows, 64) * 0.08), dpi=80)
+    canvas = FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    shown = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
+                      cmap="viridis")
+    fig.colorbar(shown, ax=ax, fraction=0.04, pad=0.02)
+    ax.set_xlabel(f"expert (of {cols})")
+    ax.set_ylabel(f"MoE layer (of {rows})")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+class TensorBoardWriter:
+    """Writes records as event files into `log_dir` (tags: module doc). Not thread-safe: the
+    loop runs it in a `writers.Background` thread."""
+
+    def __init__(self, log_dir: Path):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(logdir=str(log_dir), flush_secs=30)
+
+    def write(self, step: int, record: dict) -> None:
+        flat = flatten(record)
+        for tag, value in flat.scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        for tag, values in flat.histograms.items():
+            self.writer.add_histogram(tag, values, step)
+        for key, values in flat.heatmaps.items():
+            self.writer.add_image(f"{key}/heatmap", heatmap_image(values, f"{key}, step {step}"),
+                                  step, dataformats="HWC")
+
+    def close(self) -> None:
+        self.writer.close()
