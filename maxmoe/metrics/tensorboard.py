@@ -77,22 +77,39 @@ def flatten(record: dict) -> Flat:
     return flat
 
 
-def heatmap_image(values: np.ndarray, title: str) -> np.ndarray:
-    """An [L, E] array drawn as a heatmap (rows: layers, columns: experts, with a colour bar)
-    -> uint8 RGB pixels [H, W, 3]."""
-    rows, cols = values.shape
-    fig = Figure(figsize=(8.0, 1.5 + min(rows, 64) * 0.08), dpi=80)
-    canvas = FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    shown = ax.imshow(np.ma.masked_invalid(values), aspect="auto", interpolation="nearest",
-                      cmap="viridis")
-    fig.colorbar(shown, ax=ax, fraction=0.04, pad=0.02)
-    ax.set_xlabel(f"expert (of {cols})")
-    ax.set_ylabel(f"MoE layer (of {rows})")
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    canvas.draw()
-    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+class Heatmap:
+    """Draws an [L, E] array as a heatmap (rows: MoE layers, columns: experts, a colour bar)
+    -> uint8 RGB pixels [H, W, 3]. Keeps its figure and redraws only the data for an array of
+    the same shape (a fresh figure per step costs several times more); one per thread."""
+
+    def __init__(self):
+        self._shape, self._canvas, self._image, self._title = None, None, None, None
+
+    def _build(self, values: np.ndarray) -> None:
+        rows, cols = self._shape = values.shape
+        width, height = 8.0, 1.6 + min(rows, 64) * 0.07  # inches; margins below in inches
+        fig = Figure(figsize=(width, height), dpi=80)
+        self._canvas = FigureCanvasAgg(fig)
+        bottom, plot_h = 0.55 / height, (height - 0.9) / height
+        ax = fig.add_axes((0.8 / width, bottom, (width - 2.1) / width, plot_h))
+        bar = fig.add_axes(((width - 1.15) / width, bottom, 0.15 / width, plot_h))
+        self._image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis")
+        fig.colorbar(self._image, cax=bar)
+        ax.set_xlabel(f"expert (of {cols})")
+        ax.set_ylabel(f"MoE layer (of {rows})")
+        self._title = ax.set_title("", fontsize=10)
+
+    def __call__(self, values: np.ndarray, title: str) -> np.ndarray:
+        if values.shape != self._shape:
+            self._build(values)
+        shown = np.ma.masked_invalid(values)
+        self._image.set_data(shown)
+        finite = values[np.isfinite(values)]
+        if finite.size:
+            self._image.set_clim(finite.min(), max(finite.max(), finite.min() + 1e-12))
+        self._title.set_text(title)
+        self._canvas.draw()
+        return np.asarray(self._canvas.buffer_rgba())[..., :3].copy()
 
 
 class TensorBoardWriter:
@@ -102,6 +119,7 @@ class TensorBoardWriter:
     def __init__(self, log_dir: Path):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = SummaryWriter(logdir=str(log_dir), flush_secs=30)
+        self.heatmap = Heatmap()
 
     def write(self, step: int, record: dict) -> None:
         flat = flatten(record)
@@ -110,7 +128,7 @@ class TensorBoardWriter:
         for tag, values in flat.histograms.items():
             self.writer.add_histogram(tag, values, step)
         for key, values in flat.heatmaps.items():
-            self.writer.add_image(f"{key}/heatmap", heatmap_image(values, f"{key}, step {step}"),
+            self.writer.add_image(f"{key}/heatmap", self.heatmap(values, f"{key}, step {step}"),
                                   step, dataformats="HWC")
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ import importlib.util
 from pathlib import Path
 
 from maxmoe.config import Config, LoggingConfig, fail, to_dict
-from maxmoe.metrics.tensorboard import flatten, heatmap_image
+from maxmoe.metrics.tensorboard import Heatmap, flatten
 
 MODES = ("offline", "online", "disabled")
 
@@ -38,7 +38,11 @@ class WandbWriter:
         self.wandb = wandb
         self.run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
                               dir=str(run_dir), name=cfg.run.name or run_dir.name,
-                              config=to_dict(cfg), settings=wandb.Settings(silent=True))
+                              config=to_dict(cfg),
+                              # console off: W&B would otherwise wrap sys.stdout/stderr, under
+                              # the progress bar and every other thread's output
+                              settings=wandb.Settings(silent=True, console="off"))
+        self.heatmap = Heatmap()
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -46,7 +50,7 @@ class WandbWriter:
         flat = flatten(record)
         data: dict = {"step": step, **flat.scalars}
         data.update({t: self.wandb.Histogram(v) for t, v in flat.histograms.items()})
-        data.update({f"{k}/heatmap": self.wandb.Image(heatmap_image(v, f"{k}, step {step}"))
+        data.update({f"{k}/heatmap": self.wandb.Image(self.heatmap(v, f"{k}, step {step}"))
                      for k, v in flat.heatmaps.items()})
         self.run.log(data)
 

@@ -13,10 +13,12 @@ from maxmoe.config import ConfigError, GuardConfig, LoggingConfig
 from maxmoe.metrics import progress as progress_mod
 from maxmoe.metrics.events import EventLog
 from maxmoe.metrics.progress import Progress, duration, progress_metrics, si
-from maxmoe.metrics.tensorboard import TensorBoardWriter, flatten
+from maxmoe.metrics.tensorboard import Heatmap, TensorBoardWriter, flatten
 from maxmoe.metrics.wandb_writer import check_wandb
 from maxmoe.metrics.writers import Background, MetricsWriter
 from maxmoe.train.guards import Action, Guard
+from tests.helpers import small_config
+from tests.train.test_guards import _train
 
 L, L_MOE, E = 5, 3, 8  # all layers, MoE layers, experts
 
@@ -169,3 +171,49 @@ def test_wandb_config_errors(monkeypatch):
     with pytest.raises(ConfigError, match=r"wandb package is not installed; pip install "
                                           r"'maxmoe\[wandb\]'"):
         check_wandb(LoggingConfig(wandb_project="p"))
+
+
+def test_a_reused_heatmap_figure_draws_what_a_fresh_one_draws():
+    rng = np.random.default_rng(2)
+    first, second = rng.random((L_MOE, E)), 10 * rng.random((L_MOE, E))
+    reused = Heatmap()
+    reused(first, "expert_load_fraction, step 1")
+    image = reused(second, "expert_load_fraction, step 2")
+    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
+    np.testing.assert_array_equal(image, Heatmap()(second, "expert_load_fraction, step 2"))
+    assert not np.array_equal(image, Heatmap()(first, "expert_load_fraction, step 2"))
+
+
+def test_wandb_offline_run_writes_its_directory(tmp_path):
+    pytest.importorskip("wandb")
+    from maxmoe.metrics.wandb_writer import WandbWriter  # noqa: I001 - after the skip
+
+    cfg, _ = small_config("logging.wandb_project=maxmoe-test", f"run.dir={tmp_path}")
+    writer = WandbWriter(cfg, tmp_path)  # offline by default: no network
+    for step in (1, 2):
+        writer.write(step, contract_record(np.random.default_rng(step)))
+    writer.close()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert (run / f"run-{run.name.rsplit('-', 1)[1]}.wandb").stat().st_size > 1000
+    assert len(list(run.glob("files/media/images/expert_load_fraction/heatmap_*.png"))) == 2
+
+
+@pytest.mark.slow
+def test_a_tiny_run_writes_tensorboard_and_events(tmp_path, monkeypatch, capsys):
+    """The real loop (test_guards' fixture, 6 steps): batch 2 has a NaN, so step 3 is
+    skipped; tensorboard/ gets the loop's scalars, events.jsonl the skip."""
+    _, records = _train(tmp_path, monkeypatch, "run", {2: "nan"}, "train.steps=6")
+    run = tmp_path / "run"
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert [r["tokens_seen"] for r in records] == [512 * s for s in range(1, 7)]  # 16 x 32
+    events = [json.loads(line) for line in (run / "events.jsonl").open()]
+    assert [(e["step"], e["kind"]) for e in events] == [(3, "skip")]
+    assert "update skipped: non-finite" in events[0]["message"]
+    steps = {}
+    for event in read_events(run / "tensorboard"):
+        for v in event.summary.value:
+            steps.setdefault(v.tag, set()).add(event.step)
+    assert steps["tokens_per_second"] == steps["tokens_seen"] == set(range(1, 7))
+    assert steps["loss"] == {1, 2, 4, 5, 6}  # step 3's loss is NaN: null in JSONL, not in TB
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step 6/6:")]
+    assert len(lines) == 1 and " eta 0s" in lines[0] and "tokens 3.07k" in lines[0]
