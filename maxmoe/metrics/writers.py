@@ -16,14 +16,19 @@ import numpy as np
 
 
 def plain(v):
-    """A record value as JSON: numbers as int / float (non-finite -> None), arrays as nested
-    lists, dicts with string keys, recursively; anything else (strings, None) unchanged."""
+    """A record value as JSON: numbers as int / float (non-finite -> None; float32 values as
+    their shortest float32 decimal), arrays as nested lists, dicts with string keys,
+    recursively; anything else (strings, None) unchanged."""
     if isinstance(v, dict):
         return {str(k): plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [plain(x) for x in v]
     if isinstance(v, np.ndarray) or hasattr(v, "__array__"):  # numpy / jax arrays and scalars
         a = np.asarray(v)
+        if a.dtype in (np.float32, np.float16) or a.dtype.name == "bfloat16":
+            # each value's shortest decimal that reads back as the same float32 (a float32
+            # made float64 prints up to 17 digits): exact, and ~40% less JSON per array
+            a = a.astype(np.float32).astype(str).astype(np.float64)
         return plain(a.tolist()) if a.ndim else plain(a.item())
     if isinstance(v, bool):  # a flag (skipped, spike) as 0.0 / 1.0, as the step computes it
         return float(v)

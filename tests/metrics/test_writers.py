@@ -28,7 +28,7 @@ def contract_record(rng) -> dict:
     load = rng.random((L_MOE, E))
     return {
         "loss": 2.5, "grad_norm": np.float32(1.25), "skipped": np.bool_(False),
-        "expert_load_fraction": load / load.sum(1, keepdims=True),
+        "expert_load_fraction": (load / load.sum(1, keepdims=True)).astype(np.float32),
         "router_entropy": rng.random(L_MOE), "router_bias": rng.standard_normal((L_MOE, E)),
         "dropped_fraction_by_layer": np.zeros(L_MOE),
         "activation_rms_by_layer": rng.random(L), "update_ratio_by_layer": rng.random(L),
@@ -60,7 +60,10 @@ def test_jsonl_keeps_arrays_as_nested_lists_and_nonfinite_as_null(tmp_path):
     (row,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     assert row["step"] == 3 and row["eval_loss"] is None and row["skipped"] == 0.0
     assert np.asarray(row["expert_load_fraction"]).shape == (L_MOE, E)
-    np.testing.assert_allclose(row["expert_load_fraction"], record["expert_load_fraction"])
+    # float32 values as their shortest float32 decimal: exact once read back as float32
+    np.testing.assert_array_equal(np.asarray(row["expert_load_fraction"], np.float32),
+                                  record["expert_load_fraction"])
+    np.testing.assert_allclose(row["router_bias"], record["router_bias"], rtol=1e-15)  # float64
     assert len(row["grad_norm_by_group"]["attention"]) == L
     assert row["grad_norm_by_group"]["head"] == 0.25 and row["dead_experts"]["1"] == [2, 5]
     MetricsWriter(tmp_path / "absent", enabled=False).write(1, record)  # other processes
