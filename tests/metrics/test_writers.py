@@ -93,7 +93,7 @@ def test_tensorboard_tags_of_every_contract_shape(tmp_path):
     assert {f"router_entropy/layer_{i:02d}" for i in range(L_MOE)} <= tags
     assert scalars[("activation_rms_by_layer/layer_04", 10)] == pytest.approx(
         record["activation_rms_by_layer"][4], rel=1e-6)  # float32 in the event file
-    assert scalars[("dead_experts/layer_01", 20)] == 2 and scalars[("dead_experts/layer_02", 20)] == 0
+    assert (scalars[("dead_experts/layer_01", 20)], scalars[("dead_experts/layer_02", 20)]) == (2, 0)
     assert "eval_loss" not in tags and "note" not in tags  # non-finite and text left out
     for key in ("expert_load_fraction", "router_bias"):
         assert {(f"{key}/layer_{i:02d}", s) for i in range(L_MOE) for s in (10, 20)} <= histograms
