@@ -23,7 +23,10 @@ def peak_memory_bytes() -> int | None:
 
 def step_times_by_process(step_time_s: float | None) -> list[float | None]:
     """[P]: every process's step time over its last logging window, for spotting stragglers.
-    A collective: every process must call it at the same steps (the loop's logging hooks)."""
+    A collective: every process must call it at the same steps (the loop's logging hooks). It
+    runs on the devices behind the step in flight, so on a logged step the host waits for that
+    step; the device then idles for the rest of the host's logging work (one hand-off per
+    logged step, only with several processes)."""
     mine = np.float32(np.nan if step_time_s is None else step_time_s)
     times = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
     return [float(t) if np.isfinite(t) else None for t in times]
