@@ -22,6 +22,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from tensorboardX import FileWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import histogram, image, scalar
 
@@ -120,12 +121,23 @@ class TensorBoardWriter:
     record at 671B shapes). Not thread-safe: the loop runs it in a `writers.Background`
     thread."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, start_step: int = 0):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = FileWriter(str(log_dir), flush_secs=30)
         self.heatmap = Heatmap()
+        self.last = start_step
+        if start_step:  # resumed: what a killed run logged after its checkpoint is redone
+            self._restart(start_step + 1)
+
+    def _restart(self, step: int) -> None:
+        """TensorBoard drops the events at `step` and after that earlier files or this one
+        hold (a resumed run, a guard rollback): the curves show the steps that count."""
+        self.writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
 
     def write(self, step: int, record: dict) -> None:
+        if step <= self.last:
+            self._restart(step)
+        self.last = step
         flat = flatten(record)
         values = [v for tag, x in flat.scalars.items() for v in scalar(tag, x).value]
         # numpy's "auto" bins (~sqrt(n)); tensorboardX's default ("tensorflow") has ~10x more

@@ -187,7 +187,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
         return {"start_step": start, "final_step": start, "preempted": False}
     peak, peak_source = peak_flops(cfg)
     log(f"model FLOPs/step {setup.model_flops:.3e}; peak {peak:.3e} FLOP/s ({peak_source})")
-    sinks = _metric_sinks(cfg, run_dir) if jax.process_index() == 0 else []
+    sinks = _metric_sinks(cfg, run_dir, start) if jax.process_index() == 0 else []
     loop = _Loop(setup, ckpt, data_iter, preemption, LogWindow(setup, peak, HostTiming()))
     loop.guard.events = EventLog(run_dir / "events.jsonl" if jax.process_index() == 0 else None)
     if jax.process_index() == 0:
@@ -218,12 +218,12 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     return summary
 
 
-def _metric_sinks(cfg: Config, run_dir: Path) -> list[Sink]:
+def _metric_sinks(cfg: Config, run_dir: Path, start: int) -> list[Sink]:
     """Where process 0 writes each logged record: metrics.jsonl (the source of truth, first),
     TensorBoard and W&B (each in its own thread, writers.Background), the progress display."""
     sinks: list[Sink] = [MetricsWriter(run_dir, enabled=True)]
     if cfg.logging.tensorboard:
-        sinks.append(Background(TensorBoardWriter(run_dir / "tensorboard"), "tensorboard"))
+        sinks.append(Background(TensorBoardWriter(run_dir / "tensorboard", start), "tensorboard"))
     if cfg.logging.wandb_project:
         sinks.append(Background(WandbWriter(cfg, run_dir), "W&B"))
     return [*sinks, Progress(cfg.train.steps, cfg.logging.progress_bar)]

@@ -220,3 +220,15 @@ def test_a_tiny_run_writes_tensorboard_and_events(tmp_path, monkeypatch, capsys)
     assert steps["loss"] == {1, 2, 4, 5, 6}  # step 3's loss is NaN: null in JSONL, not in TB
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step 6/6:")]
     assert len(lines) == 1 and " eta 0s" in lines[0] and "tokens 3.07k" in lines[0]
+
+
+def test_tensorboard_drops_redone_steps_after_a_resume_or_rollback(tmp_path):
+    """A SessionLog START at step N makes TensorBoard drop the events at N and after from
+    earlier files and earlier in the file: the resumed run's and the rollback's redone steps."""
+    writer = TensorBoardWriter(tmp_path, start_step=4)  # resumed from the step-4 checkpoint
+    for step in (5, 6, 7, 6, 7):  # a rollback after step 7 to the step-5 checkpoint
+        writer.write(step, {"loss": float(step)})
+    writer.close()
+    starts = [e.step for e in read_events(tmp_path)
+              if e.session_log.status == event_pb2.SessionLog.START]
+    assert starts == [5, 6]
