@@ -8,9 +8,9 @@ loop: `maxmoe train CONFIG train.steps=STEPS logging.every_steps=K train.eval_ev
 checkpoint.enabled=false logging.progress_bar=false logging.tensorboard=B` in fresh
 subprocesses, B = true then false in turns (paired: the two runs of a pair are adjacent), for
 each K; prints per run the median over the logging windows after the first (which holds the
-warm-up) of step_time_s, host_overhead_fraction and host_cpu_fraction, then the medians of the
-on/off ratios. --synthetic adds contract-shaped per-layer arrays (obs_contract.md: [L_moe, E]
-load and bias, [L] and [L_moe] vectors, grad-norm groups) of the config's layer and expert
+warm-up) of step_time_s, host_overhead_fraction, host_cpu_fraction and host_cpu_s (CPU of
+the loop's Python threads, the writers' included), then the medians of the on/off ratios.
+--synthetic adds contract-shaped per-layer arrays (obs_contract.md: [L_moe, E] load and bias, [L] and [L_moe] vectors, grad-norm groups) of the config's layer and expert
 counts to every logged record, as the per-layer metrics will, so TensorBoard also writes
 histograms and the heatmap; metrics.jsonl is written in both arms.
 
@@ -145,7 +145,7 @@ def _median_of_windows(run_dir: Path) -> dict:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steady = [r for r in rows[1:] if r.get("step_time_s")]
     return {k: float(np.median([r[k] for r in steady])) for k in (
-        "step_time_s", "host_overhead_fraction", "host_cpu_fraction")}
+        "step_time_s", "host_overhead_fraction", "host_cpu_fraction", "host_cpu_s")}
 
 
 def loop(args) -> list[dict]:
@@ -182,7 +182,9 @@ def loop(args) -> list[dict]:
               f"on {np.median([r['step_time_s'] for r in on]):.4f} s, off "
               f"{np.median([r['step_time_s'] for r in off]):.4f} s; host_overhead_fraction on "
               f"{np.median([r['host_overhead_fraction'] for r in on]):.3f}, off "
-              f"{np.median([r['host_overhead_fraction'] for r in off]):.3f}", file=sys.stderr)
+              f"{np.median([r['host_overhead_fraction'] for r in off]):.3f}; host CPU per step "
+              f"on {1e3 * np.median([r['host_cpu_s'] for r in on]):.2f} ms, off "
+              f"{1e3 * np.median([r['host_cpu_s'] for r in off]):.2f} ms", file=sys.stderr)
     return results
 
 
