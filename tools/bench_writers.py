@@ -10,8 +10,9 @@ subprocesses, B = true then false in turns (paired: the two runs of a pair are a
 each K; prints per run the median over the logging windows after the first (which holds the
 warm-up) of step_time_s, host_overhead_fraction, host_cpu_fraction and host_cpu_s (CPU of
 the loop's Python threads, the writers' included), then the medians of the on/off ratios.
---synthetic adds contract-shaped per-layer arrays (obs_contract.md: [L_moe, E] load and bias, [L] and [L_moe] vectors, grad-norm groups) of the config's layer and expert
-counts to every logged record, as the per-layer metrics will, so TensorBoard also writes
+--synthetic adds contract-shaped per-layer arrays (obs_contract.md: [L_moe, E] load and bias,
+[L] and [L_moe] vectors, grad-norm groups) of the config's layer and expert counts to every
+logged record, as the per-layer metrics will, so TensorBoard also writes
 histograms and the heatmap; metrics.jsonl is written in both arms.
 
 size: writes N synthetic records of the 671B preset's shapes (61 + 1 MTP layers, 58 + 1 MoE
