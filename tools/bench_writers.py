@@ -41,12 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SCALARS = 30  # about as many scalars as a record of the loop has
 
 
-def synthetic(rng, layers: int, moe_layers: int, experts: int, dense: int) -> dict:
+def synthetic(rng, layers: int, moe_layers: int, experts: int, dense: int,
+              scalars: int = SCALARS) -> dict:
     """A record with every per-layer key of the observability contract (random float32 arrays,
     as the device computes them)."""
     load = rng.dirichlet(np.ones(experts), moe_layers).astype(np.float32)
     return {
-        **{f"scalar_{i:02d}": float(rng.random()) for i in range(SCALARS)},
+        **{f"scalar_{i:02d}": float(rng.random()) for i in range(scalars)},
         "expert_load_fraction": load,
         "router_bias": 1e-3 * rng.standard_normal(load.shape, np.float32),
         "router_entropy": rng.random(moe_layers, np.float32),
@@ -136,7 +137,8 @@ def child(argv: list[str]) -> int:
 
     def with_arrays(self, host, extra):
         rec = close(self, host, extra)
-        rec.update(synthetic(rng, layers, moe, cfg.moe.num_experts, m.num_dense_layers))
+        # the loop's record has its own scalars: only the arrays are added
+        rec.update(synthetic(rng, layers, moe, cfg.moe.num_experts, m.num_dense_layers, 0))
         return rec
     hooks.LogWindow.close = with_arrays
     return main(["train", *argv])
