@@ -101,7 +101,7 @@ class Progress:
                                  **({"tokens": si(tokens)} if tokens is not None else {}))
         else:
             eta = self.eta_s(step)
-            print(f"step {step}/{self.total}: loss {_number(record['loss']):.4f} tokens/s "
+            print(f"step {step}: loss {_number(record['loss']):.4f} tokens/s "
                   f"{record['tokens_per_second']:.0f} mfu {100 * record['mfu']:.1f}%"
                   + (f" host {100 * host:.1f}%" if host is not None else "")
                   + (f" tokens {si(tokens)}" if tokens is not None else "")

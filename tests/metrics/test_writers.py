@@ -218,7 +218,7 @@ def test_a_tiny_run_writes_tensorboard_and_events(tmp_path, monkeypatch, capsys)
             steps.setdefault(v.tag, set()).add(event.step)
     assert steps["tokens_per_second"] == steps["tokens_seen"] == set(range(1, 7))
     assert steps["loss"] == {1, 2, 4, 5, 6}  # step 3's loss is NaN: null in JSONL, not in TB
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step 6/6:")]
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step 6: loss")]
     assert len(lines) == 1 and " eta 0s" in lines[0] and "tokens 3.07k" in lines[0]
 
 
