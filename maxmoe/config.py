@@ -260,6 +260,9 @@ class LoggingConfig:
     peak_flops_per_device: float = 0.0  # for MFU; 0 = known GPU table, or measured on CPU
     profile_start: int = 0  # first step traced into <run.dir>/profile (train/profiling.py); 0 = off
     profile_steps: int = 3  # steps traced from profile_start (two keys: YAML reads 10:20 as 620)
+    tensorboard: bool = True  # TensorBoard event files in <run.dir>/tensorboard (process 0)
+    wandb_project: str = ""  # W&B project to log to; empty = off (pip install 'maxmoe[wandb]')
+    wandb_mode: str = "offline"  # W&B mode: offline (no network; `wandb sync` later) | online
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.config import GuardConfig
+from maxmoe.metrics.events import EventLog
 
 # a plateau has a tiny spread: z-scores use at least 1% of the mean as the standard deviation,
 # so noise on a flat curve is not a spike
@@ -136,10 +137,12 @@ class Guard:
     step is the number of steps taken (the loop's `done`); metrics the step's metric dict
     (host values, or device arrays of which only the GUARD_METRICS scalars are copied). The
     loop calls it when the next step is already running (see the module doc); messages name
-    the observed step, not the running one.
+    the observed step, not the running one. Every decision other than continue, every
+    rollback and every threshold warning also goes to `events` (events.jsonl) with its kind.
     """
     cfg: GuardConfig
     log: Callable[[str], None] = _stderr
+    events: EventLog = field(default_factory=lambda: EventLog(None))
     warn_every: int = 100  # a threshold warning repeats at most once per this many steps
     rollbacks: int = 0
     _last_warning: dict = field(default_factory=dict)
@@ -148,6 +151,14 @@ class Guard:
         m = {k: float(v) for k, v in jax.device_get(
             {k: metrics[k] for k in GUARD_METRICS if k in metrics}).items()}
         self._warn(step, m)
+        decision = self._decide(step, m)
+        if decision.action is not Action.CONTINUE:
+            kind = {Action.STOP: "stop", Action.ROLLBACK: "spike"}.get(
+                decision.action, "spike" if m.get("spike") else "skip")
+            self.events.emit(step, kind, decision.message)
+        return decision
+
+    def _decide(self, step: int, m: dict) -> Decision:
         cfg = self.cfg
         if m.get("loss_scale_at_min", 0.0):
             return Decision(Action.STOP, (
@@ -189,8 +200,10 @@ class Guard:
                 continue
             if step - self._last_warning.get(key, -self.warn_every) >= self.warn_every:
                 self._last_warning[key] = step
-                self.log(f"warning: step {step}: {key} = {value:.4g} exceeds {limit:g} "
-                         "(per-layer values are in metrics.jsonl)")
+                message = (f"warning: step {step}: {key} = {value:.4g} exceeds {limit:g} "
+                           "(per-layer values are in metrics.jsonl)")
+                self.log(message)
+                self.events.emit(step, "warning", message)
 
     def rollback(self, step: int, checkpointer, abstract_state: Any,
                  data_iterator) -> tuple[Any, int] | None:
@@ -202,8 +215,10 @@ class Guard:
         seen) are taken back by restoring its position.
         """
         if checkpointer.latest_step() is None:
-            self.log(f"step {step}: loss spike but no checkpoint to roll back to yet; "
-                     "the update was skipped")
+            message = (f"step {step}: loss spike but no checkpoint to roll back to yet; "
+                       "the update was skipped")
+            self.log(message)
+            self.events.emit(step, "skip", message)
             return None
         state, restored = checkpointer.restore(abstract_state, data_iterator)
         # the restored iterator is at batch `restored`; batches restored..step-1 fed the steps
@@ -212,7 +227,9 @@ class Guard:
         for _ in range(skipped):
             next(data_iterator)
         self.rollbacks += 1
-        self.log(f"rollback {self.rollbacks}: step {step} was a spike; restored step {restored} "
-                 f"and skipped {skipped} data batches")
+        message = (f"rollback {self.rollbacks}: step {step} was a spike; restored step "
+                   f"{restored} and skipped {skipped} data batches")
+        self.log(message)
+        self.events.emit(step, "rollback", message)
         return state, restored
 

@@ -17,12 +17,14 @@ the last one, a SIGTERM stop) is settled before anything else happens, so no che
 holds a state that a guard has not cleared. metrics.jsonl gets the host-side costs per
 logging window (see metrics/host.py).
 
-Cadences are hooks, run in order after a step: eval (train.eval_every_steps), the metrics
-writer (logging.every_steps, the last step and every eval step) and the checkpoint save
-(checkpoint.every_steps and the last step). See `train/hooks.py`. The profiling window
-(logging.profile_start, `train/profiling.py`) is no after-step hook: it wraps the dispatch of
-its first and last steps, waiting for whole steps at its edges. The eval hook runs
-`train/evaluate.py`'s Evaluator, which `maxmoe eval` runs on a saved checkpoint.
+Cadences are hooks, run in order after a step: eval (train.eval_every_steps), the progress
+figures of the record (every process), the metrics writers (process 0: metrics.jsonl,
+TensorBoard, W&B, the progress bar or lines), all at logging.every_steps, the last step and
+every eval step, and the checkpoint save (checkpoint.every_steps and the last step). See
+`train/hooks.py`. Guard decisions also go to <run.dir>/events.jsonl (metrics/events.py). The
+profiling window (logging.profile_start, `train/profiling.py`) is no after-step hook: it wraps
+the dispatch of its first and last steps, waiting for whole steps at its edges. The eval hook
+runs `train/evaluate.py`'s Evaluator, which `maxmoe eval` runs on a saved checkpoint.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ import jax
 from maxmoe.config import Config, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.distributed import wait_for_processes
+from maxmoe.metrics.events import EventLog
 from maxmoe.metrics.flops import peak_flops
 from maxmoe.metrics.host import HostTiming
-from maxmoe.metrics.writers import MetricsWriter
+from maxmoe.metrics.progress import Progress, progress_metrics
+from maxmoe.metrics.tensorboard import TensorBoardWriter
+from maxmoe.metrics.wandb_writer import WandbWriter, check_wandb
+from maxmoe.metrics.writers import Background, MetricsWriter, Sink
 from maxmoe.plan.live import live_cluster, write_plan
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
@@ -127,6 +133,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     """Trains to cfg.train.steps (resuming from the run directory); returns a summary.
     cluster: the --cluster spec that prices <run.dir>/plan.json (default: the devices' kind)."""
     plan_cluster = live_cluster(cluster)  # a bad spec fails before the run dir is made
+    check_wandb(cfg.logging)  # so does W&B asked for without its package
     run_dir = _open_run_dir(cfg)
     tokenizer = model_tokenizer(cfg)
     dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
@@ -149,17 +156,16 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
         return {"start_step": start, "final_step": start, "preempted": False}
     peak, peak_source = peak_flops(cfg)
     log(f"model FLOPs/step {setup.model_flops:.3e}; peak {peak:.3e} FLOP/s ({peak_source})")
-    writer = MetricsWriter(run_dir, total_steps=total, start_step=start,
-                           enabled=jax.process_index() == 0, progress_bar=cfg.logging.progress_bar)
+    sinks = _metric_sinks(cfg, run_dir, start) if jax.process_index() == 0 else []
     loop = _Loop(setup, ckpt, data_iter, preemption, LogWindow(setup, peak, HostTiming()))
+    loop.guard.events = EventLog(run_dir / "events.jsonl" if jax.process_index() == 0 else None)
     if jax.process_index() == 0:
         loop.plan = (run_dir / "plan.json", plan_cluster)
     loop.profile = ProfileWindow.from_config(cfg, run_dir, start + 1, log)
     loop.hooks += [
         *([Hook(cfg.train.eval_every_steps, loop.evaluator(tokenizer), reads_state=True)]
           if cfg.train.eval_every_steps else []),
-        Hook(cfg.logging.every_steps, lambda e: writer.write(e.step, e.record()), at_end=True,
-             writes=True),
+        *_logging_hooks(cfg.logging.every_steps, setup.tokens_per_step, sinks),
         Hook(cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0,
              loop.saver(config_json, layout), at_end=True, reads_state=True),
     ]
@@ -171,7 +177,9 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
         preemption.restore()
         if loop.profile is not None:
             loop.profile.close()  # a window cut short (SIGTERM, a guard's stop)
-        writer.close()
+        for sink in sinks:
+            sink.close()
+        loop.guard.events.close()
         ckpt.close()
         data_iter.close()  # stops the prefetch thread
     rec = loop.window.last  # the newest logged step's figures
@@ -180,6 +188,29 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
                        mfu=rec["mfu"], host_overhead_fraction=rec.get("host_overhead_fraction"))
     summary["final_step"] = final_step
     return summary
+
+
+def _metric_sinks(cfg: Config, run_dir: Path, start: int) -> list[Sink]:
+    """Where process 0 writes each logged record: metrics.jsonl (the source of truth, first),
+    TensorBoard and W&B (each in its own thread, writers.Background), the progress display."""
+    sinks: list[Sink] = [MetricsWriter(run_dir, enabled=True)]
+    if cfg.logging.tensorboard:
+        sinks.append(Background(TensorBoardWriter(run_dir / "tensorboard", start), "tensorboard"))
+    if cfg.logging.wandb_project:
+        sinks.append(Background(WandbWriter(cfg, run_dir), "W&B"))
+    return [*sinks, Progress(cfg.train.steps, cfg.logging.progress_bar)]
+
+
+def _logging_hooks(every: int, tokens_per_step: int, sinks: list[Sink]) -> list[Hook]:
+    """The logging hooks, at the same steps on every process: first the progress figures of
+    the record (a collective with several processes, so every process runs it), then one hook
+    per sink (process 0 has them; the other processes none)."""
+    def add_progress(event: StepEnd) -> None:
+        record = event.record()
+        record.update(progress_metrics(event.step, tokens_per_step, record.get("step_time_s")))
+
+    return [Hook(every, fn, at_end=True, writes=True) for fn in [
+        add_progress, *[lambda e, s=s: s.write(e.step, e.record()) for s in sinks]]]
 
 
 class _Loop:

@@ -211,6 +211,11 @@ def test_two_processes_of_4_devices_train_like_one_of_8(tmp_path, monkeypatch):
         return np.array([r["loss"] for r in records])
 
     loss_one, loss_two = losses("one"), losses("two")
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").open()]
+    # every process's step time (the first record's window holds no step: None)
+    assert [len(r["step_time_s_by_process"]) for r in records] == [2] * STEPS
+    assert all(t > 0 for r in records[1:] for t in r["step_time_s_by_process"])
+    assert "step_time_s_by_process" not in (tmp_path / "one" / "metrics.jsonl").read_text()
     print("losses 1 x 8:", loss_one.tolist(), "2 x 4:", loss_two.tolist(),
           "max relative difference", float(np.max(np.abs(loss_one / loss_two - 1))))
     np.testing.assert_allclose(loss_two, loss_one, rtol=1e-5, atol=0)

@@ -135,6 +135,9 @@ def test_poisoned_batches_are_skipped_or_rolled_back(tmp_path, monkeypatch, caps
     assert by_step[16][0]["skipped"] == 1 and by_step[16][0]["nonfinite"] == 1
     assert len(by_step[36]) == 1 and by_step[36][0]["spike"] == 0  # the redone step 36
     assert by_step[40][-1]["skipped_steps"] == 1  # the rollback restored the counters of step 30
+    events = [json.loads(line) for line in (tmp_path / "poisoned" / "events.jsonl").open()]
+    assert [(e["step"], e["kind"]) for e in events] == [(16, "skip"), (36, "spike"),
+                                                        (36, "rollback")]
     assert clean["first_loss"] > 5.0 and clean["last_loss"] < 3.0  # it learned
     timed = [r for r in records if r["step_time_s"]]  # every window but the first step's
     assert timed and all(r["data_wait_s"] >= 0 and r["host_time_s"] >= 0 and
