@@ -40,6 +40,7 @@ from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.flops import peak_flops
 from maxmoe.metrics.host import HostTiming
+from maxmoe.metrics.router_health import moe_layer_indices
 from maxmoe.metrics.writers import MetricsWriter
 from maxmoe.plan.live import live_cluster, write_plan
 from maxmoe.sharding import global_batch, use_mesh
@@ -218,7 +219,7 @@ class _Loop:
         self.setup, self.trainer, self.ckpt = setup, setup.trainer, ckpt
         self.data_iter, self.preemption, self.window = data_iter, preemption, window
         self.timing = window.timing
-        self.guard = Guard(setup.cfg.guard, log)
+        self.guard = Guard(setup.cfg.guard, log, moe_layers=moe_layer_indices(setup.cfg.model))
         self.hooks: list[Hook] = []
         self.save_blocking_s: list[float] = []
         self.t0 = 0.0  # when the loop started: the first step's compile time counts from it
