@@ -251,6 +251,9 @@ class GuardConfig:
     max_rollbacks: int = 5  # stop if more rollbacks than this are needed in one run
     activation_rms_warn: float = 100.0  # warn when a layer's residual RMS exceeds this
     update_ratio_warn: float = 0.1  # warn when a layer's |update| / |param| exceeds this
+    dead_expert_windows: int = 3  # an expert with no tokens for this many logging windows is dead
+    router_action: str = "warn"  # on dead experts: warn (log + event once per change) | stop
+    load_ratio_warn: float = 10.0  # warn when a MoE layer's max/mean expert load passes this; 0 off
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,7 @@ class LoggingConfig:
     tensorboard: bool = True  # TensorBoard event files in <run.dir>/tensorboard (process 0)
     wandb_project: str = ""  # W&B project to log to; empty = off (pip install 'maxmoe[wandb]')
     wandb_mode: str = "offline"  # W&B mode: offline (no network; `wandb sync` later) | online
+    per_layer: bool = True  # per-layer arrays (README Metrics) on logged steps; false: scalars only
 
 
 @dataclass(frozen=True)

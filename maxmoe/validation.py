@@ -227,6 +227,10 @@ def check_guard(g: GuardConfig, need: Need) -> None:
     need(g.spike_zscore > 0, "guard.spike_zscore", "must be > 0", "use e.g. 6")
     need(g.rollback_extra_batches >= 0, "guard.rollback_extra_batches", "must be >= 0", "use 0")
     need(g.max_rollbacks >= 0, "guard.max_rollbacks", "must be >= 0", "use e.g. 5")
+    need(g.dead_expert_windows >= 1, "guard.dead_expert_windows", "must be >= 1", "use e.g. 3")
+    need(g.router_action in ("warn", "stop"), "guard.router_action", "unknown action",
+         "use warn or stop")
+    need(g.load_ratio_warn >= 0, "guard.load_ratio_warn", "must be >= 0", "use 0 (off) or e.g. 10")
 
 
 def check_logging(lg: LoggingConfig, need: Need) -> None:

@@ -137,6 +137,12 @@ def check(overrides, reference, num_devices=8):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     np.testing.assert_array_equal(metrics["expert_load_max"], ref_metrics["expert_load_max"])
     np.testing.assert_array_equal(metrics["dropped_fraction"], ref_metrics["dropped_fraction"])
+    # per MoE layer: the same rows in the same order (pipeline: natural layer order)
+    np.testing.assert_array_equal(metrics["expert_load"], ref_metrics["expert_load"])
+    np.testing.assert_array_equal(metrics["dropped_fraction_by_layer"],
+                                  ref_metrics["dropped_fraction_by_layer"])
+    np.testing.assert_allclose(metrics["router_entropy"], ref_metrics["router_entropy"],
+                               rtol=1e-5)
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref)

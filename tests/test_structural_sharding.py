@@ -34,8 +34,10 @@ MIB = 2**20
 SLACK = 1.05
 # what may stay (partly) replicated: norm scales (a vector per layer; its one dim is often
 # too short for every axis), the router's selection bias [layers, experts], and counters
-# (the step, the optimizer's count, the guard's statistics, the loss scale)
-ALLOWED = re.compile(r"norm'\]\['scale'\]|\['buffers'\].*\['bias'\]$|^\['(step|guard|loss_scale)'\]")
+# (the step, the optimizer's count, the guard's statistics, the loss scale, the router
+# health's [L_moe, E] load window)
+ALLOWED = re.compile(r"norm'\]\['scale'\]|\['buffers'\].*\['bias'\]$|"
+                     r"^\['(step|guard|loss_scale|router_health)'\]")
 
 V3 = "configs/models/deepseek_v3_671b.yaml"
 V3_MESH = ["data.seq_len=4096", "data.global_batch_size=2048"]

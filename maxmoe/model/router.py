@@ -62,7 +62,9 @@ def route(logits: jax.Array, cfg: MoEConfig, bias: jax.Array | None = None):
 
     aux: expert_load [E] ((token, k) slots per expert) and router_affinity [E] (mean affinity
     over the tokens): the Switch balance loss's two factors, see `switch_balance_loss`;
-    sequence_balance_loss (DeepSeek-V3, mean over rows), z_loss (mean over tokens) and expert_idx.
+    sequence_balance_loss (DeepSeek-V3, mean over rows), z_loss (mean over tokens),
+    router_entropy (mean over tokens of the entropy of the affinity distribution, nats: log E
+    for a uniform router, 0 for one that puts all weight on one expert) and expert_idx.
 
     Every entry decomposes over groups of rows of equal size: a sum (load) or a mean of per-row
     or per-token terms (the rest). So a pipelined step, which sums load and averages the rest
@@ -89,9 +91,10 @@ def route(logits: jax.Array, cfg: MoEConfig, bias: jax.Array | None = None):
     row_fraction = jnp.mean(hits, axis=1) / cfg.experts_per_token  # [B, E]
     sequence_balance = num_experts * jnp.mean(jnp.sum(row_fraction * jnp.mean(affinity, axis=1), -1))
     z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))  # ST-MoE router z-loss
+    entropy = jnp.mean(jnp.sum(jax.scipy.special.entr(affinity), axis=-1))  # entr(0) = 0
     return idx, weights, {"sequence_balance_loss": sequence_balance, "z_loss": z,
                           "expert_load": load, "router_affinity": jnp.mean(affinity, axis=(0, 1)),
-                          "expert_idx": idx}
+                          "router_entropy": entropy, "expert_idx": idx}
 
 
 def switch_balance_loss(load: jax.Array, affinity: jax.Array) -> jax.Array:

@@ -128,3 +128,14 @@ def describe_pipeline(model: ModelConfig, stages: int) -> str | None:
             f"(= (P-1)/(V M + P-1)); {sum(piped)} layers pipelined ({chunks}; idle "
             f"{100 * schedule.idle(largest) if largest else 0:.1f}% with the bubble), "
             f"{sum(sizes) - sum(piped)} run on every stage")
+
+
+def moe_layer_indices(model: ModelConfig) -> list[int]:
+    """The model layer index of each row of the [L_moe, ...] metrics: the MoE layers in order,
+    then MTP depth k = 1..mtp_depth as layer num_layers + k - 1 when the MTP blocks are MoE
+    (they are of the last layer's kind). Empty for a dense model."""
+    groups = layer_groups(model)
+    rows = [first + j for is_moe, first, n in groups if is_moe for j in range(n)]
+    if groups[-1][0]:
+        rows += [model.num_layers + k for k in range(model.mtp_depth)]
+    return rows

@@ -279,7 +279,10 @@ class Transformer(nnx.Module):
                            expert_load=load, **load_summary(load),
                            dropped_fraction=jnp.mean(aux["dropped_fraction"]) * part,
                            dispatch_rounds=jnp.max(aux["dispatch_rounds"]))
-            metrics["activation_rms"] = aux["activation_rms"]
+            # per MoE layer [L_moe] (MTP's last): means over this batch's tokens / assignments
+            metrics.update(activation_rms=aux["activation_rms"],
+                           router_entropy=aux["router_entropy"],
+                           dropped_fraction_by_layer=aux["dropped_fraction"])
         metrics["loss"] = total
         return total, metrics
 
@@ -297,15 +300,27 @@ class Transformer(nnx.Module):
         joined = {key: _join(auxs, key) for key in auxs[0]}
         return jnp.mean(jnp.stack(losses)), joined
 
-    def update_router_bias(self, expert_load: jax.Array, speed: float) -> None:
-        """In place, once per optimizer step: expert_load [L_moe (+ MTP), E] as in loss metrics."""
+    def _moe_blocks(self) -> list[MoE]:
+        """The MoE MLPs in the order of the [L_moe, ...] metrics: layer groups (a stacked
+        group's MoE holds all its layers), then the MTP blocks."""
         blocks = [mlp for stack in self.layer_groups
                   for mlp in ([b.mlp for b in stack] if isinstance(stack, nnx.List)
                               else [stack.mlp])]
         blocks += [layer.block.mlp for layer in (self.mtp or [])]
-        blocks = [mlp for mlp in blocks if isinstance(mlp, MoE)]
+        return [mlp for mlp in blocks if isinstance(mlp, MoE)]
+
+    def router_bias(self) -> jax.Array | None:
+        """The aux-loss-free selection biases [L_moe (+ MTP), E] in metric order; None when
+        the routers have none (softmax routing)."""
+        biases = [mlp.bias[...] for mlp in self._moe_blocks() if mlp.bias is not None]
+        if not biases:
+            return None
+        return jnp.concatenate([b.reshape(-1, b.shape[-1]) for b in biases])
+
+    def update_router_bias(self, expert_load: jax.Array, speed: float) -> None:
+        """In place, once per optimizer step: expert_load [L_moe (+ MTP), E] as in loss metrics."""
         row = 0
-        for mlp in blocks:
+        for mlp in self._moe_blocks():
             n = 1 if mlp.bias[...].ndim == 1 else mlp.bias[...].shape[0]
             load = expert_load[row:row + n].reshape(mlp.bias[...].shape)
             mlp.bias[...] = updated_bias(mlp.bias[...], load, speed)
@@ -346,9 +361,13 @@ lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
 
 
 def load_summary(load: jax.Array) -> dict:
-    """expert_load [L, E] -> its max, mean and min (the logged expert_load_* metrics)."""
-    return {"expert_load_max": jnp.max(load), "expert_load_mean": jnp.mean(load),
-            "expert_load_min": jnp.min(load)}
+    """expert_load [L, E] -> its max and min over all layers (expert_load_max / _min) and
+    load_max_mean_ratio_max, the largest max/mean load of any layer (1 when balanced, E / k
+    when every token picks the same k experts): the scalar the guard warns on. (The mean load,
+    tokens x k / E, is fixed by the batch and was dropped.)"""
+    ratio = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-30)
+    return {"expert_load_max": jnp.max(load), "expert_load_min": jnp.min(load),
+            "load_max_mean_ratio_max": jnp.max(ratio)}
 
 
 @jax.named_scope("loss")

@@ -39,9 +39,11 @@ from maxmoe.sharding import current_mesh, mesh_axes, param_axes, shard, spec
 # aux values summed over microbatches (then averaged, expert_load kept a sum); other per-token
 # outputs are dropped. The losses' inputs (z, sequence, load, affinity) are sums or means over
 # equal groups of rows (model/router.py), so they equal the whole batch's; activation_rms,
-# dropped_fraction and dispatch_rounds (metrics only) are means of the microbatches' values.
+# router_entropy, dropped_fraction and dispatch_rounds (metrics only) are means of the
+# microbatches' values (router_entropy and dropped_fraction: exactly the batch's, as each
+# microbatch has as many tokens).
 _AUX_KEYS = ("z_loss", "sequence_balance_loss", "expert_load", "router_affinity",
-             "activation_rms", "dropped_fraction", "dispatch_rounds")
+             "router_entropy", "activation_rms", "dropped_fraction", "dispatch_rounds")
 
 
 def num_stages() -> int:

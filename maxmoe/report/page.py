@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from maxmoe.config import ConfigError
+from maxmoe.config import ConfigError, ModelConfig
+from maxmoe.model.spec import moe_layer_indices
 from maxmoe.report import figures
 from maxmoe.report.runs import Run, Series, load_runs
 
@@ -134,13 +135,23 @@ def events_section(runs: list[Run]) -> str:
     return "".join(out)
 
 
-def _moe_labels(run: Run, layers: int) -> list[str]:
-    """Names of the L_moe rows: 'MoE layer i', the last mtp_depth rows 'MTP d' when the
-    config has multi-token prediction (contract: MTP's MoE comes last)."""
-    depth = ((run.config or {}).get("model") or {}).get("mtp_depth", 0)
-    depth = depth if isinstance(depth, int) and 0 < depth < layers else 0
-    return [f"MoE layer {i}" for i in range(layers - depth)] + [f"MTP {d + 1}"
-                                                                 for d in range(depth)]
+def _moe_layers(run: Run, rows: int) -> list[int]:
+    """The model layer of each L_moe row (`model.spec.moe_layer_indices` of the run's config:
+    MoE layers in order, then MTP's); row numbers when config.yaml does not give `rows`."""
+    try:
+        layers = moe_layer_indices(ModelConfig(**(run.config or {})["model"]))
+    except (KeyError, TypeError, ValueError, IndexError):  # no config, or not this version's
+        layers = []
+    return layers if len(layers) == rows else list(range(rows))
+
+
+def _moe_labels(run: Run, rows: int) -> list[str]:
+    """Names of the L_moe rows: 'layer i' (the model's layer index, as `dead_experts` keys
+    name it), 'MTP d' for the multi-token-prediction depths."""
+    model = (run.config or {}).get("model") or {}
+    num_layers = model.get("num_layers") if isinstance(model.get("num_layers"), int) else None
+    return [f"MTP {i - num_layers + 1}" if num_layers is not None and i >= num_layers
+            else f"layer {i}" for i in _moe_layers(run, rows)]
 
 
 def _dead_table(run: Run) -> str:
@@ -178,11 +189,12 @@ def load_section(run: Run) -> str:
 
 
 def _dead_rows(run: Run, labels: list[str]) -> list[list[int]]:
-    """dead_experts mapped onto the L_moe rows (keys are row indices as strings)."""
+    """dead_experts (keyed by model layer index) mapped onto the L_moe rows."""
+    row_of = {layer: row for row, layer in enumerate(_moe_layers(run, len(labels)))}
     rows: list[list[int]] = [[] for _ in labels]
     for layer, ids in run.dead_experts.items():
-        if layer.isdigit() and int(layer) < len(rows):
-            rows[int(layer)] = list(ids)
+        if layer.isdigit() and int(layer) in row_of:
+            rows[row_of[int(layer)]] = list(ids)
     return rows
 
 

@@ -22,6 +22,12 @@ observed before step N+1's checkpoint: no checkpoint holds a state the guard has
 
 Guard state in the train state: {"skipped_steps", "consecutive_skips", "history_count" i32 [],
 "loss_history", "grad_norm_history" f32 [W]}.
+
+Router health (metrics/router_health.py): the step counts, on the device, each expert's
+logging windows in a row without a token; `Guard` names the experts dead for
+`guard.dead_expert_windows` windows, then warns (once per change of the dead set) or stops
+(`guard.router_action`), and warns when a layer's max/mean expert load passes
+`guard.load_ratio_warn`. Both also go to events.jsonl (kinds "dead_experts" and "router").
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxmoe.config import GuardConfig
 from maxmoe.metrics.events import EventLog
+from maxmoe.metrics.router_health import dead_experts, describe_dead, load_stats
 
 # a plateau has a tiny spread: z-scores use at least 1% of the mean as the standard deviation,
 # so noise on a flat curve is not a spike
@@ -45,7 +53,8 @@ RELATIVE_STD_FLOOR = 0.01
 # scalars the guard reads every step (part of one small device-to-host copy, one step late)
 GUARD_METRICS = ("skipped", "nonfinite", "spike", "over_ceiling", "loss_scale_at_min",
                  "consecutive_skips", "skipped_steps", "loss", "grad_norm", "loss_zscore",
-                 "grad_norm_zscore", "activation_rms_max", "update_ratio_max", "loss_scale")
+                 "grad_norm_zscore", "activation_rms_max", "update_ratio_max", "loss_scale",
+                 "load_max_mean_ratio_max")
 
 
 class TrainingStopped(RuntimeError):
@@ -135,30 +144,33 @@ class Guard:
     """The host half: `observe(step, metrics)` once per step, in step order -> Decision.
 
     step is the number of steps taken (the loop's `done`); metrics the step's metric dict
-    (host values, or device arrays of which only the GUARD_METRICS scalars are copied). The
-    loop calls it when the next step is already running (see the module doc); messages name
-    the observed step, not the running one. Every decision other than continue, every
-    rollback and every threshold warning also goes to `events` (events.jsonl) with its kind.
+    (host values, or device arrays of which only the GUARD_METRICS scalars and the router's
+    [L_moe, E] expert_zero_windows / expert_load are copied). The loop calls it when the next
+    step is already running (see the module doc); messages name the observed step, not the
+    running one. Every decision other than continue, every rollback, every threshold warning
+    and the router health events also go to `events` (events.jsonl) with their kind.
     """
     cfg: GuardConfig
     log: Callable[[str], None] = _stderr
     events: EventLog = field(default_factory=lambda: EventLog(None))
     warn_every: int = 100  # a threshold warning repeats at most once per this many steps
     rollbacks: int = 0
+    moe_layers: list[int] = field(default_factory=list)  # model layer of each [L_moe] row
     _last_warning: dict = field(default_factory=dict)
+    _dead: dict = field(default_factory=dict)  # the dead experts last reported
 
     def observe(self, step: int, metrics: dict) -> Decision:
         m = {k: float(v) for k, v in jax.device_get(
             {k: metrics[k] for k in GUARD_METRICS if k in metrics}).items()}
         self._warn(step, m)
-        decision = self._decide(step, m)
+        decision = self._decide(step, m, metrics)
         if decision.action is not Action.CONTINUE:
             kind = {Action.STOP: "stop", Action.ROLLBACK: "spike"}.get(
                 decision.action, "spike" if m.get("spike") else "skip")
             self.events.emit(step, kind, decision.message)
         return decision
 
-    def _decide(self, step: int, m: dict) -> Decision:
+    def _decide(self, step: int, m: dict, metrics: dict) -> Decision:
         cfg = self.cfg
         if m.get("loss_scale_at_min", 0.0):
             return Decision(Action.STOP, (
@@ -171,6 +183,10 @@ class Guard:
                 f"guard.grad_norm_ceiling={cfg.grad_norm_ceiling:g}; stopped without applying "
                 "or saving this step (the last checkpoint is intact); lower "
                 "optimizer.learning_rate or raise guard.grad_norm_ceiling"))
+        self._warn_load(step, m, metrics)
+        router = self._dead_experts(step, metrics)
+        if router is not None:
+            return router
         if not m.get("skipped", 0.0):
             return Decision(Action.CONTINUE)
         why = ("non-finite loss or gradients" if m.get("nonfinite") else
@@ -201,9 +217,61 @@ class Guard:
             if step - self._last_warning.get(key, -self.warn_every) >= self.warn_every:
                 self._last_warning[key] = step
                 message = (f"warning: step {step}: {key} = {value:.4g} exceeds {limit:g} "
-                           "(per-layer values are in metrics.jsonl)")
+                           "(per layer on logged steps: metrics.jsonl activation_rms_by_layer, "
+                           "update_ratio_by_layer)")
                 self.log(message)
                 self.events.emit(step, "warning", message)
+
+    def _event(self, step: int, kind: str, message: str) -> None:
+        self.events.emit(step, kind, message)
+
+    def _rows(self, n: int) -> list[int]:
+        return self.moe_layers if len(self.moe_layers) == n else list(range(n))
+
+    def _warn_load(self, step: int, m: dict, metrics: dict) -> None:
+        """Warns (and a "router" event) when a MoE layer's max/mean expert load passes
+        guard.load_ratio_warn, naming the layers and their busiest experts; at most once per
+        warn_every steps."""
+        limit, value = self.cfg.load_ratio_warn, m.get("load_max_mean_ratio_max")
+        if not limit or value is None or not value > limit or "expert_load" not in metrics:
+            return
+        if step - self._last_warning.get("load", -self.warn_every) < self.warn_every:
+            return
+        self._last_warning["load"] = step
+        load = np.asarray(jax.device_get(metrics["expert_load"]))
+        ratio, layers = load_stats(load)["load_max_mean_ratio"], self._rows(load.shape[0])
+        where = "; ".join(f"layer {layers[r]}: {ratio[r]:.3g} (expert {int(np.argmax(load[r]))})"
+                          for r in np.flatnonzero(ratio > limit))
+        message = (f"step {step}: expert load max/mean exceeds guard.load_ratio_warn={limit:g} "
+                   f"in {where}")
+        self.log(f"warning: {message}")
+        self._event(step, "router", message)
+
+    def _dead_experts(self, step: int, metrics: dict) -> Decision | None:
+        """STOP naming the dead experts (guard.router_action=stop), or a warning and a
+        "dead_experts" event whenever the set of dead experts changes; None otherwise."""
+        if "expert_zero_windows" not in metrics:
+            return None
+        windows = np.asarray(jax.device_get(metrics["expert_zero_windows"]))
+        dead = dead_experts(windows, self.cfg.dead_expert_windows, self._rows(windows.shape[0]))
+        if dead == self._dead:
+            return None
+        self._dead = dead
+        if not dead:
+            message = f"step {step}: no dead experts any more"
+            self.log(message)
+            self._event(step, "dead_experts", message)
+            return None
+        message = (f"step {step}: dead experts (no tokens for guard.dead_expert_windows="
+                   f"{self.cfg.dead_expert_windows} logging windows): {describe_dead(dead)}")
+        if self.cfg.router_action == "stop":
+            message += ("; stopped (guard.router_action=stop) with the last checkpoint intact; "
+                        "raise moe.bias_update_speed or moe.aux_loss_weight, or set "
+                        "guard.router_action=warn")
+            return Decision(Action.STOP, message)  # observe() records it as a "stop" event
+        self.log(f"warning: {message}")
+        self._event(step, "dead_experts", message)
+        return None
 
     def rollback(self, step: int, checkpointer, abstract_state: Any,
                  data_iterator) -> tuple[Any, int] | None:

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 
 from maxmoe.metrics.host import HostTiming
+from maxmoe.metrics.layers import layer_record
+from maxmoe.model.spec import moe_layer_indices
 from maxmoe.train.setup import RunSetup
 from maxmoe.train.step import DIAGNOSTICS
 
@@ -40,14 +42,19 @@ class LogWindow:
 
     def close(self, host: dict, extra: dict) -> dict:
         """The record of the step whose host metrics are `host` (plus hooks' `extra`, e.g. the
-        eval loss), with tokens/s, MFU and host costs over the window; starts the next one."""
+        eval loss): its scalars, the per-layer arrays of README "Metrics" (metrics/layers.py)
+        and tokens/s, MFU and host costs over the window; starts the next one."""
         steps, tokens = self.steps, self.setup.tokens_per_step
         elapsed = time.perf_counter() - self.started - self.excluded_s
         tps = tokens * steps / elapsed if steps else 0.0
         self.started, self.steps, self.excluded_s = time.perf_counter(), 0, 0.0
         # a step cut short by SIGTERM has no DIAGNOSTICS (NaN): left out, not written as NaN
-        rec = {k: v for k, v in host.items()
-               if np.ndim(v) == 0 and not (k in DIAGNOSTICS and np.isnan(v))}
+        rec = {k: v for k, v in host.items() if not isinstance(v, dict) and np.ndim(v) == 0
+               and not (k in DIAGNOSTICS and np.isnan(v))}
+        cfg = self.setup.cfg
+        rec.update(layer_record(host, per_layer=cfg.logging.per_layer,
+                                dead_windows=cfg.guard.dead_expert_windows,
+                                layers=moe_layer_indices(cfg.model), logged_only=DIAGNOSTICS))
         rec.setdefault("activation_rms_max",  # all layers, from the step (guards)
                        float(np.max(host.get("activation_rms", 0.0))))
         rec.update(tokens_per_second=tps, mfu=tps / tokens * self.setup.model_flops / self.peak,

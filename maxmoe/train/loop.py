@@ -47,6 +47,7 @@ from maxmoe.metrics.progress import Progress, progress_metrics
 from maxmoe.metrics.tensorboard import TensorBoardWriter
 from maxmoe.metrics.wandb_writer import WandbWriter, check_wandb
 from maxmoe.metrics.writers import Background, MetricsWriter, Sink
+from maxmoe.model.spec import moe_layer_indices
 from maxmoe.plan.live import live_cluster, write_plan
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
@@ -221,7 +222,7 @@ class _Loop:
         self.setup, self.trainer, self.ckpt = setup, setup.trainer, ckpt
         self.data_iter, self.preemption, self.window = data_iter, preemption, window
         self.timing = window.timing
-        self.guard = Guard(setup.cfg.guard, log)
+        self.guard = Guard(setup.cfg.guard, log, moe_layers=moe_layer_indices(setup.cfg.model))
         self.hooks: list[Hook] = []
         self.save_blocking_s: list[float] = []
         self.t0 = 0.0  # when the loop started: the first step's compile time counts from it

@@ -25,8 +25,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
+from maxmoe.metrics.router_health import init_window, update_window
 from maxmoe.model.router import RouterBias
-from maxmoe.model.spec import layer_groups
+from maxmoe.model.spec import layer_groups, moe_layer_indices
 from maxmoe.model.transformer import LossShare, build_model, load_summary, loss_token_counts
 from maxmoe.parallel.dispatch import resolve_transport
 from maxmoe.sharding import named, spec, state_shardings, use_mesh
@@ -64,9 +65,10 @@ class StateLayout:
 
 
 def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
-    """The train state {step, params, opt_state, guard, [loss_scale], [buffers]} of `cfg` and
-    its shardings on `mesh`: params and buffers as `sharding.state_shardings` places them,
-    optimizer moments as their params, counters replicated. Traces shapes only, so an
+    """The train state {step, params, opt_state, guard, [loss_scale], [buffers],
+    [router_health]} of `cfg` and its shardings on `mesh`: params and buffers as
+    `sharding.state_shardings` places them, optimizer moments as their params, counters
+    (router_health's [L_moe, E] window too) replicated. Traces shapes only, so an
     AbstractMesh of any cluster size works (the structural sharding test, the planner)."""
     rules = cfg.mesh.rules
     abstract_model = nnx.eval_shape(lambda: build_model(cfg, cfg.train.seed))
@@ -77,6 +79,7 @@ def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
     scaler = make_loss_scaler(cfg.precision)
     step_guard = StepGuard.from_config(cfg.guard)
     replicated = NamedSharding(mesh, P())
+    moe_rows = len(moe_layer_indices(cfg.model))
 
     def init_state():
         _, params, buffers = nnx.split(build_model(cfg, cfg.train.seed), nnx.Param, RouterBias)
@@ -85,6 +88,8 @@ def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
                  "opt_state": optimizer.init(params), "guard": step_guard.init()}
         if scaler is not None:
             state["loss_scale"] = scaler.init()
+        if moe_rows:  # the expert load of the logging window (metrics/router_health.py)
+            state["router_health"] = init_window(moe_rows, cfg.moe.num_experts)
         return dict(state, buffers=nnx.to_pure_dict(buffers)) if has_buffers else state
 
     abstract = jax.eval_shape(init_state)
@@ -98,8 +103,9 @@ def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
         opt_shardings = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), opt_shardings)
     shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
                  "guard": jax.tree.map(lambda _: replicated, abstract["guard"])}
-    if scaler is not None:
-        shardings["loss_scale"] = jax.tree.map(lambda _: replicated, abstract["loss_scale"])
+    for key in ("loss_scale", "router_health"):
+        if key in abstract:
+            shardings[key] = jax.tree.map(lambda _: replicated, abstract[key])
     if has_buffers:
         shardings["buffers"] = nnx.to_pure_dict(state_shardings(abstract_buffers, mesh, rules))
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
@@ -151,7 +157,7 @@ def per_layer(metrics: dict, cfg: Config) -> jax.Array | None:
 
 
 # per-step diagnostics computed only on the steps whose metrics the loop writes (NaN on others)
-DIAGNOSTICS = ("update_ratio", "update_ratio_max", "param_norm")
+DIAGNOSTICS = ("update_ratio_by_layer", "update_ratio_max", "param_norm", "grad_norm_by_group")
 
 
 def writes_metrics(done, cfg: Config):
@@ -168,7 +174,8 @@ def writes_metrics(done, cfg: Config):
 
 def update_ratios(new_params, params) -> jax.Array:
     """[L] |new - old| / |old| per decoder layer (layer groups in layer order; a group is
-    stacked [L, ...] leaves, or per-layer trees under int keys with model.scan_layers=false).
+    stacked [L, ...] leaves, or per-layer trees under int keys with model.scan_layers=false),
+    then per MTP depth (its block, projection and norms).
 
     From the applied change rather than optax's update tree: the update then has one reader
     (the new params) and XLA fuses it away instead of writing it out and reading it back for
@@ -188,7 +195,64 @@ def update_ratios(new_params, params) -> jax.Array:
             ratios += [ratio(new[j], old[j], stacked=False) for j in sorted(old)]
         else:
             ratios.append(ratio(new, old, stacked=True))
+    for j in sorted(params.get("mtp", {})):
+        ratios.append(ratio(new_params["mtp"][j], params["mtp"][j], stacked=False))
     return jnp.concatenate(ratios)
+
+
+# grad_norm_by_group: a block's params by the top-level key they sit under (anything else, a
+# group of its own name); a MoE MLP's by MOE_GROUPS, its routed experts (gate, up, down) under
+# "experts"; a dense MLP's all under "dense_mlp"
+BLOCK_GROUPS = {"attn": "attention", "attn_norm": "norms", "mlp_norm": "norms"}
+MOE_GROUPS = {"router": "router", "shared": "shared"}
+MTP_GROUPS = {"embed_norm": "norms", "hidden_norm": "norms", "final_norm": "norms",
+              "projection": "mtp_projection"}
+
+
+def _block_squares(block: dict, stacked: bool) -> dict[str, jax.Array]:
+    """{group: squared gradient norm [n] (stacked [n, ...] leaves) or [1]} of one block."""
+    out: dict[str, jax.Array] = {}
+
+    def add(group: str, tree) -> None:
+        sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32)),
+                         axis=tuple(range(int(stacked), x.ndim))) for x in jax.tree.leaves(tree))
+        out[group] = out.get(group, 0.0) + jnp.atleast_1d(sq)
+
+    for key, sub in block.items():
+        if key == "mlp" and "router" in sub:
+            for name, leaf in sub.items():
+                add(MOE_GROUPS.get(name, "experts"), leaf)
+        else:
+            add("dense_mlp" if key == "mlp" else BLOCK_GROUPS.get(key, key), sub)
+    return out
+
+
+def grad_norms_by_group(grads) -> dict[str, jax.Array]:
+    """Gradient norms per parameter group (README "Metrics"): per-layer groups [n] over the
+    layers that have them, in layer order then MTP depths (attention, norms: [L]; router,
+    experts, shared: [L_moe]; dense_mlp: [L_dense]; mtp_projection: [mtp_depth]), and scalars
+    embedding and head (the LM head and the final norm)."""
+    parts: list[dict[str, jax.Array]] = []
+    for g in sorted(grads["layer_groups"]):
+        group = grads["layer_groups"][g]
+        if all(isinstance(k, int) for k in group):  # model.scan_layers=false
+            parts += [_block_squares(group[j], stacked=False) for j in sorted(group)]
+        else:
+            parts.append(_block_squares(group, stacked=True))
+    for j in sorted(grads.get("mtp", {})):
+        layer = dict(grads["mtp"][j])
+        part = _block_squares(layer.pop("block"), stacked=False)
+        for key, sub in layer.items():
+            group = MTP_GROUPS.get(key, key)
+            sq = jnp.atleast_1d(optax.tree.norm(sub) ** 2)
+            part[group] = part.get(group, 0.0) + sq
+        parts.append(part)
+    names = list(dict.fromkeys(name for part in parts for name in part))
+    out = {name: jnp.sqrt(jnp.concatenate([p[name] for p in parts if name in p]))
+           for name in names}
+    out["embedding"] = optax.tree.norm(grads["embed"])
+    out["head"] = optax.tree.norm({"lm_head": grads["lm_head"], "norm": grads["final_norm"]})
+    return out
 
 
 # how microbatch metrics combine into the step's under gradient accumulation (accumulated)
@@ -203,11 +267,13 @@ def accumulated(metrics: dict) -> dict:
 
     - SUMMED: the loss terms and dropped_fraction, already weighted by the share (tokens for
       cross-entropies, 1 / A for position means), and expert_load, a count;
-    - expert_load_max / _mean / _min: recomputed from the summed load (a max of microbatch
-      maxima would not be the step's);
+    - expert_load_max / _min, load_max_mean_ratio_max: recomputed from the summed load (a
+      max of microbatch maxima would not be the step's);
     - ROOT_MEAN_SQUARE: the residual RMS per layer, root of the mean square over microbatches
       (each holds the same number of positions);
-    - anything else: the mean over microbatches."""
+    - anything else: the mean over microbatches (router_entropy and
+      dropped_fraction_by_layer: exactly the step's, as every microbatch has as many tokens
+      and assignments)."""
     out = {}
     for key, value in metrics.items():
         if key in SUMMED:
@@ -263,10 +329,11 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P):
 
 
 def when_logged(diagnose, f, *args):
-    """f(*args) on the steps whose metrics the loop writes (`diagnose`), NaN of its shape on
-    the others: one branch runs (lax.cond)."""
+    """f(*args) on the steps whose metrics the loop writes (`diagnose`), NaN of its shapes on
+    the others (f may return a pytree): one branch runs (lax.cond)."""
     out = jax.eval_shape(f, *args)
-    return jax.lax.cond(diagnose, f, lambda *_: jnp.full(out.shape, jnp.nan, out.dtype), *args)
+    return jax.lax.cond(diagnose, f, lambda *_: jax.tree.map(
+        lambda s: jnp.full(s.shape, jnp.nan, s.dtype), out), *args)
 
 
 def guarded_update(optimizer, apply, diagnose, grads, grad_norm, params, opt_state):
@@ -297,6 +364,25 @@ def updated_buffers(graphdef, new_params, buffers, metrics: dict, bias_speed: fl
     model = nnx.merge(graphdef, new_params, buffers)
     model.update_router_bias(metrics["expert_load"], bias_speed)
     return select(apply, nnx.to_pure_dict(nnx.state(model, RouterBias)), buffers)
+
+
+# per-layer metrics of the model's loss that logging.per_layer=false leaves out of the step
+PER_LAYER_ONLY = ("router_entropy", "dropped_fraction_by_layer")
+
+
+def per_layer_metrics(cfg: Config, graphdef, metrics: dict, grads, new_params, new_buffers,
+                      diagnose) -> dict:
+    """`metrics` with the per-layer arrays of README "Metrics" that the step adds
+    (grad_norm_by_group on logged steps, router_bias after the step's update) or, with
+    logging.per_layer=false, without the model's per-layer arrays (PER_LAYER_ONLY)."""
+    if not cfg.logging.per_layer:
+        return {k: v for k, v in metrics.items() if k not in PER_LAYER_ONLY}
+    out = dict(metrics, grad_norm_by_group=when_logged(diagnose, grad_norms_by_group, grads))
+    if new_buffers is not None:
+        bias = nnx.merge(graphdef, new_params, new_buffers).router_bias()
+        if bias is not None:
+            out["router_bias"] = bias
+    return out
 
 
 def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
@@ -335,10 +421,10 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         metrics = dict(metrics, **{k: v.astype(jnp.int32) if v.dtype == jnp.bool_ else v
                                    for k, v in guard_metrics.items()},
                        grad_norm=grad_norm, learning_rate=schedule(applied_before),
-                       update_ratio=layer_ratio, update_ratio_max=jnp.max(layer_ratio))
+                       update_ratio_by_layer=layer_ratio, update_ratio_max=jnp.max(layer_ratio))
         rms = per_layer(metrics, cfg)
         if rms is not None:
-            metrics.update(layer_activation_rms=rms, activation_rms_max=jnp.max(rms))
+            metrics.update(activation_rms_by_layer=rms, activation_rms_max=jnp.max(rms))
         metrics["param_norm"] = when_logged(diagnose, optax.tree.norm, new_params)
         new_state = {"step": state["step"] + 1, "params": new_params,
                      "opt_state": new_opt_state, "guard": guard_state}
@@ -349,6 +435,11 @@ def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
         if buffers:
             new_state["buffers"] = updated_buffers(graphdef, new_params, buffers[0], metrics,
                                                    cfg.moe.bias_update_speed, apply)
+        if "router_health" in state:  # the window closes where the loop logs
+            new_state["router_health"], metrics["expert_zero_windows"] = update_window(
+                state["router_health"], metrics["expert_load"], diagnose)
+        metrics = per_layer_metrics(cfg, graphdef, metrics, grads, new_params,
+                                    new_state.get("buffers"), diagnose)
         return new_state, metrics
 
     return train_step

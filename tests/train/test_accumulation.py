@@ -30,10 +30,12 @@ OVERRIDES = [  # tiny_deepseek_v3 (MLA, sigmoid group routing, MTP), shrunk
     "mesh.fsdp=1", "mesh.expert=1", "moe.aux_loss_weight=0.0", "moe.z_loss_weight=0.01",
     "moe.sequence_balance_loss_weight=0.01",
 ]
-# loss-like metrics compared with the reference (expert_load: counts, summed)
+# loss-like metrics compared with the reference (expert_load: counts, summed; the per-layer
+# router_entropy and dropped_fraction_by_layer: means over the step's tokens)
 METRICS = ("loss", "ce_loss", "mtp_loss", "z_loss", "sequence_balance_loss", "expert_load",
-           "expert_load_max", "expert_load_min", "expert_load_mean", "activation_rms",
-           "dense_activation_rms", "dropped_fraction")
+           "expert_load_max", "expert_load_min", "load_max_mean_ratio_max", "activation_rms",
+           "dense_activation_rms", "dropped_fraction", "router_entropy",
+           "dropped_fraction_by_layer")
 
 
 def config(*extra: str):

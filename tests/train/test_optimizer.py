@@ -83,7 +83,7 @@ def test_invalid_settings_name_their_key(override, key):
 
 
 def test_step_update_ratio_and_param_norm_equal_float64_numpy():
-    """The step's update_ratio metric is |new - old| / |old| of each decoder layer's params
+    """The step's update_ratio_by_layer metric is |new - old| / |old| of each decoder layer's params
     and param_norm the global norm of the new params. Reference: float64 NumPy from the
     params copied out before and after a step of the small MoE; rtol 1e-5 (float32 sums).
     Both are computed only on steps whose metrics the loop writes: NaN on step 1 of 2 with
@@ -101,7 +101,7 @@ def test_step_update_ratio_and_param_norm_equal_float64_numpy():
                                                           trainer.batch_sharding))
         if step == 0:  # not a logged step
             assert np.isnan(float(metrics["param_norm"]))
-            assert np.isnan(np.asarray(metrics["update_ratio"])).all()
+            assert np.isnan(np.asarray(metrics["update_ratio_by_layer"])).all()
     after = jax.tree.map(lambda x: np.asarray(x, np.float64), jax.device_get(state["params"]))
     assert int(metrics["skipped"]) == 0
     want = []
@@ -112,7 +112,7 @@ def test_step_update_ratio_and_param_norm_equal_float64_numpy():
         want.append(np.sqrt(per_layer(n - o for n, o in zip(new, old, strict=True)) / per_layer(old)))
     want = np.concatenate(want)
     assert want.shape == (cfg.model.num_layers,) and np.all(want > 0)
-    np.testing.assert_allclose(np.asarray(metrics["update_ratio"]), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(metrics["update_ratio_by_layer"]), want, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["param_norm"]),
                                np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(after))),
                                rtol=1e-5)
