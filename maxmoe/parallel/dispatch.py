@@ -20,6 +20,9 @@ called inside parallel/experts.py's `shard_map` body (or without a mesh, with no
   `lax.ragged_all_to_all` on GPU/TPU and a dense `lax.all_to_all` of the same [ep, cap, D]
   buffers on CPU (XLA:CPU cannot compile the ragged one); the slots, rounds and combine are
   one code path for both.
+- `TwoLevel` (dropless, parallel/two_level.py): under group-limited routing, each token once
+  to each host holding its experts (static [H, T] buffers, no rounds), then an AllToAll inside
+  the host; the cross-host rows are at most T x groups_per_token instead of T K.
 - `Capacity` (may drop): GShard/Switch slot buffers per expert, one all-to-all each way
   (parallel/capacity.py).
 
@@ -53,7 +56,9 @@ AUTO_ALL_GATHER_MAX_EP = 8
 def choose_transport(moe: MoEConfig, ep: int, ep_hosts: int) -> str:
     """The dropless transport for an expert axis of `ep` shards spread over `ep_hosts` hosts:
     moe.transport unless it is auto; auto = all_gather if ep <= AUTO_ALL_GATHER_MAX_EP and
-    ep_hosts == 1, else all_to_all."""
+    ep_hosts == 1, else all_to_all. auto never picks two_level: it saves cross-host bytes but
+    its hop-1 buffers come on top of all_to_all's, and memory is what binds the target
+    layouts (docs/performance.md, Expert-parallel transports)."""
     if moe.transport != "auto":
         return moe.transport
     return "all_gather" if ep <= AUTO_ALL_GATHER_MAX_EP and ep_hosts == 1 else "all_to_all"
@@ -69,13 +74,16 @@ def expert_axis_sizes(cfg: Config, mesh_sizes: dict[str, int]) -> tuple[int, int
 
 
 def resolve_transport(cfg: Config, mesh_sizes: dict[str, int]) -> Config:
-    """cfg with moe.transport=auto replaced by the transport it picks on this layout (the DCN
-    factors of the config count the hosts, so a one-process planner compile of a multi-host
-    layout builds what the cluster will run)."""
-    if cfg.moe.transport != "auto":
-        return cfg
-    transport = choose_transport(cfg.moe, *expert_axis_sizes(cfg, mesh_sizes))
-    return dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, transport=transport))
+    """cfg with moe.transport=auto replaced by the transport it picks on this layout, and for
+    two_level moe.expert_hosts=0 by the hosts of the expert axis (the DCN factors of the
+    config count the hosts, so a one-process planner compile of a multi-host layout builds
+    what the cluster will run)."""
+    ep, hosts = expert_axis_sizes(cfg, mesh_sizes)
+    transport = choose_transport(cfg.moe, ep, hosts)
+    expert_hosts = (cfg.moe.expert_hosts or hosts) if transport == "two_level" else \
+        cfg.moe.expert_hosts
+    moe = dataclasses.replace(cfg.moe, transport=transport, expert_hosts=expert_hosts)
+    return dataclasses.replace(cfg, moe=moe)
 
 
 def describe_transport(cfg: Config, mesh_sizes: dict[str, int]) -> str | None:
@@ -92,7 +100,10 @@ def describe_transport(cfg: Config, mesh_sizes: dict[str, int]) -> str | None:
     why = "set" if moe.transport != "auto" else (
         f"auto: ep {ep} on {hosts} host(s); all_gather up to ep {AUTO_ALL_GATHER_MAX_EP} "
         "inside a host")
-    extra = (f", buffer factor {moe.transport_buffer_factor}" if how == "all_to_all" else "")
+    extra = (f", buffer factor {moe.transport_buffer_factor}"
+             if how in ("all_to_all", "two_level") else "")
+    if how == "two_level":
+        extra += f", {moe.expert_hosts or hosts} hosts x {ep // (moe.expert_hosts or hosts)}"
     return f"moe dispatch: dropless, transport {how} over {ep} expert shards ({why}){extra}"
 
 

@@ -11,6 +11,9 @@ shard_map and hands the tokens to a dispatcher (parallel/dispatch.py, one class 
 - dropless, moe.transport all_to_all (`AllToAll`): each assignment goes once to its expert's
   shard and back, in rounds of a fixed slot count per (source, destination) pair; buffers of
   c T K rows whatever ep; nothing dropped (skew runs extra rounds).
+- dropless, moe.transport two_level (`TwoLevel`, parallel/two_level.py): under group-limited
+  routing, each token once to each host holding its experts, then inside the host to their
+  devices (DeepSeek-V3's node-limited dispatch).
 - capacity (`Capacity`, parallel/capacity.py): every device packs its own assignments into
   `capacity` slots per expert (GShard/Switch), exchanged with one all-to-all each way over the
   expert axis; slots counted per sequence, the overflow dropped.
@@ -36,6 +39,7 @@ from maxmoe.parallel.dispatch import (
     ExpertShards,
     choose_transport,
 )
+from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.sharding import current_mesh, mesh_axes
 
 
@@ -98,7 +102,8 @@ def _stats(dropped, rounds, total: int) -> dict:
 
 def _dispatcher(cfg: MoEConfig, shards: ExpertShards, mesh, seq_len: int) -> Dispatcher:
     """The dispatcher of moe.dispatch / moe.transport on this mesh (auto: choose_transport with
-    the hosts the expert axes span, counted from the devices' processes)."""
+    the hosts the expert axes span, counted from the devices' processes; two_level: over
+    moe.expert_hosts hosts, else that count)."""
     if cfg.dispatch == "capacity":
         return Capacity(cfg, shards, seq_len)
     if not shards.axes:  # experts not split: every shard runs them all, nothing travels
@@ -108,4 +113,6 @@ def _dispatcher(cfg: MoEConfig, shards: ExpertShards, mesh, seq_len: int) -> Dis
     along = mesh.devices[tuple(slice(None) if a in shards.axes else 0 for a in mesh.axis_names)]
     hosts = len({d.process_index for d in along.flat})
     transport = choose_transport(cfg, ep, hosts)
+    if transport == "two_level":
+        return TwoLevel(cfg, shards, hosts=cfg.expert_hosts or hosts)
     return AllToAll(cfg, shards) if transport == "all_to_all" else AllGather(cfg, shards)
