@@ -146,6 +146,8 @@ TWO_LEVEL = ["moe.transport=two_level", "moe.num_groups=4", "moe.groups_per_toke
      "moe.transport.*span 8 hosts.*moe.num_groups=4; use a host count dividing both"),
     ([*TWO_LEVEL, "mesh.expert=8", "mesh.data=1", "mesh.dcn_expert=8"],
      "moe.transport.*span 8 hosts.*mesh.dcn_expert"),
+    ([*TWO_LEVEL, "mesh.expert=4", "mesh.data=1", "mesh.pipeline=2", "model.num_layers=3"],
+     "moe.transport.*does not run under the pipeline.*set mesh.pipeline=1"),
     (["moe.expert_hosts=-1"], "moe.expert_hosts.*>= 0")])
 def test_bad_two_level_settings_name_key_and_fix(overrides, message):
     cfg, origins = small_config(*overrides)
