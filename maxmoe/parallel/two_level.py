@@ -22,7 +22,9 @@ experts the token picked. So:
 Both hops are `lax.all_to_all` with `axis_index_groups` (hop 1 groups the devices of equal l,
 hop 2 those of one host); with route.ragged, `lax.ragged_all_to_all` sends only the filled
 rows of the same buffers (GPU/TPU; XLA:CPU cannot compile it, the dense form moves the same
-buffers): one algorithm on every platform.
+buffers): one algorithm on every platform. Not under the pipeline (validation refuses it):
+jax 0.10.2 cannot vmap an all_to_all with axis_index_groups, and collective permutes in its
+place deadlock XLA:CPU when stages run different round counts.
 """
 
 from __future__ import annotations
