@@ -99,8 +99,9 @@ class MoEConfig:
     drop_policy: str = "position"  # capacity: drop overflow by position | probability (lowest)
     grouped_matmul: str = "auto"  # dropless: ragged_dot | blocked | auto (blocked on CPU)
     block_size: int = 0  # dropless blocked: rows per block (experts padded to whole blocks); 0 = auto
-    transport: str = "auto"  # dropless over an expert axis: all_gather | all_to_all | auto (parallel/dispatch.py)
+    transport: str = "auto"  # dropless over an expert axis: all_gather | all_to_all | two_level | auto (parallel/dispatch.py)
     transport_buffer_factor: float = 1.5  # all_to_all: c, slots per (source, dest) pair = ceil(c T K / ep)
+    expert_hosts: int = 0  # two_level: hosts the expert axis spans (hop 1 across them); 0 = mesh.dcn_expert
     router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3, with a selection bias)
     num_groups: int = 1  # experts form this many contiguous groups (DeepSeek n_group)
     groups_per_token: int = 1  # a token picks experts from its best groups only (DeepSeek topk_group)

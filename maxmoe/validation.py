@@ -123,10 +123,10 @@ def check_moe(e: MoEConfig, need: Need) -> None:
     need(e.grouped_matmul in ("auto", "ragged_dot", "blocked"), "moe.grouped_matmul",
          "unknown grouped matmul", "use auto, ragged_dot or blocked")
     need(e.block_size >= 0, "moe.block_size", "must be >= 0", "use 0 (auto) or e.g. 128")
-    need(e.transport != "two_level", "moe.transport", "two_level is not built yet",
-         "use auto, all_gather or all_to_all")
-    need(e.transport in ("auto", "all_gather", "all_to_all"), "moe.transport", "unknown transport",
-         "use auto, all_gather or all_to_all")
+    need(e.transport in ("auto", "all_gather", "all_to_all", "two_level"), "moe.transport",
+         "unknown transport", "use auto, all_gather, all_to_all or two_level")
+    need(e.expert_hosts >= 0, "moe.expert_hosts", "must be >= 0",
+         "use 0 (mesh.dcn_expert) or the hosts the expert axis spans")
     need(e.transport == "auto" or e.dispatch == "dropless", "moe.transport",
          "moe.dispatch=capacity moves its slot buffers with its own all-to-all",
          "set moe.transport=auto or moe.dispatch=dropless")
@@ -387,6 +387,33 @@ def check_model_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
              f"(mesh axes {cfg.mesh.rules[logical]})", f"use a multiple of {n} or change the mesh")
 
 
+def check_two_level(cfg: Config, sizes: dict[str, int], need: Need) -> None:
+    """moe.transport=two_level (parallel/two_level.py): group-limited routing, one expert mesh
+    axis that also shards the batch, no pipeline stages, and whole expert groups on each of
+    its hosts."""
+    e, axes = cfg.moe, cfg.mesh.rules.get("experts", [])
+    if e.transport != "two_level" or math.prod(sizes[a] for a in axes) == 1:
+        return
+    fix = "or use moe.transport=all_to_all"
+    need(1 < e.num_groups and e.groups_per_token < e.num_groups, "moe.transport",
+         f"two_level needs group-limited routing, but moe.num_groups={e.num_groups} and "
+         f"moe.groups_per_token={e.groups_per_token}",
+         f"set moe.num_groups > moe.groups_per_token (DeepSeek-V3: 8 and 4) {fix}")
+    need(len(axes) == 1 and axes[0] in cfg.mesh.rules.get("batch", []), "moe.transport",
+         f"two_level splits one expert mesh axis that also shards the batch; mesh.rules.experts "
+         f"is {axes}", f"map mesh.rules.experts to one axis of mesh.rules.batch {fix}")
+    stages = math.prod(sizes[a] for a in cfg.mesh.rules.get("stage", []))
+    # jax 0.10.2 cannot vmap an all_to_all with axis_index_groups (the pipeline vmaps stages)
+    need(stages == 1, "moe.transport", f"two_level does not run under the pipeline ({stages} "
+         "stages): jax cannot batch its grouped all_to_all over the stages",
+         f"set mesh.pipeline=1 {fix}")
+    ep, hosts = sizes[axes[0]], e.expert_hosts or getattr(cfg.mesh, f"dcn_{axes[0]}")
+    need(ep % hosts == 0 and e.num_groups % hosts == 0, "moe.transport",
+         f"two_level puts whole expert groups on each host, but the {ep} expert shards span "
+         f"{hosts} hosts (moe.expert_hosts, else mesh.dcn_{axes[0]}) for "
+         f"moe.num_groups={e.num_groups}", f"use a host count dividing both {fix}")
+
+
 def check_batch_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
     """The global batch splits into whole rows per batch shard and accumulation step."""
     batch_shards = shards(cfg, sizes, "batch") * cfg.train.grad_accum_steps
@@ -427,5 +454,6 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
     check_hosts(cfg, sizes, num_devices, num_processes, need)
     check_pipeline(cfg, sizes, need)
     check_model_shards(cfg, sizes, need)
+    check_two_level(cfg, sizes, need)
     check_batch_shards(cfg, sizes, need)
     return sizes

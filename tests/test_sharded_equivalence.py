@@ -86,9 +86,15 @@ MLA = ["attention.kind=mla", "attention.num_kv_heads=4", "attention.q_lora_rank=
        "moe.router=sigmoid", "moe.num_groups=4", "moe.groups_per_token=2",
        "moe.routed_scaling_factor=2.5", "moe.aux_loss_weight=0.0", "moe.bias_update_speed=0.001",
        "moe.sequence_balance_loss_weight=0.01", "model.mtp_depth=1"]
+# the two-level transport needs MLA's group-limited routing (4 groups, 2 a token); one process
+# stands in for 2 hosts: 2 x 4 devices on expert8, 2 x 1 on expert2 (moe.expert_hosts as well:
+# loss_and_grads builds the model without make_trainer, whose resolve_transport reads the dcn)
+TWO_LEVEL = ["moe.transport=two_level", "mesh.dcn_expert=2", "moe.expert_hosts=2"]
 MLA_LAYOUTS = {
     "expert8": LAYOUTS["expert8"],
     "fsdp2_expert2_tensor2": LAYOUTS["fsdp2_expert2_tensor2"],
+    "expert8_two_level": LAYOUTS["expert8"] + TWO_LEVEL,
+    "fsdp2_expert2_tensor2_two_level": LAYOUTS["fsdp2_expert2_tensor2"] + TWO_LEVEL,
 }
 # all four axes at once need 2 x 2 x 2 x 2 = 16 devices: run in a process of its own
 SIXTEEN = ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"]

@@ -1,6 +1,8 @@
-"""The AllToAll transport's kernels alone on this machine's devices, against AllGather.
+"""The AllToAll (or TwoLevel) transport's kernels alone on this machine's devices, against
+AllGather.
 
     python3 tools/check_all_to_all.py [--tokens 4096 --dim 1024 --ffn 512 --experts 64 --topk 6]
+    python3 tools/check_all_to_all.py --transport two_level [--hosts 1]
 
 An `expert` mesh axis over every local device (one GPU: an axis of size 1, which still runs
 `lax.ragged_all_to_all`; CPU: the dense all_to_all form). Two routings: random (top-k of
@@ -8,6 +10,9 @@ random scores) and worst case (every token to experts 0 .. K-1, so one shard get
 several rounds run at buffer factor 0.25, even on an axis of size 1). Prints per routing the rounds, the largest
 difference of y and of the gradients (x, router weights, expert weights) from AllGather's,
 each relative to the reference's largest magnitude; exits 1 if one exceeds --tolerance.
+--transport two_level: TwoLevel over --hosts hosts of the axis (1 on one GPU: hop 1 is then a
+ragged_all_to_all within a group of one, hop 2 the rounds; its result does not depend on the
+routing being group-limited, only its cross-host traffic does).
 float32 inputs (GPUs may run float32 matmuls as TF32: hence the default 1e-2).
 """
 
@@ -24,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import MoEConfig
 from maxmoe.parallel.dispatch import AllGather, AllToAll, ExpertShards
+from maxmoe.parallel.two_level import TwoLevel
 
 
 def run(kind, cfg: MoEConfig, mesh, args):
@@ -69,18 +75,23 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--topk", type=int, default=6)
     p.add_argument("--tolerance", type=float, default=1e-2)
+    p.add_argument("--transport", choices=["all_to_all", "two_level"], default="all_to_all")
+    p.add_argument("--hosts", type=int, default=1, help="two_level: hosts of the expert axis")
     a = p.parse_args()
+    kind = AllToAll if a.transport == "all_to_all" else functools.partial(TwoLevel,
+                                                                          hosts=a.hosts)
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("expert",), devices=devices,
                          axis_types=(jax.sharding.AxisType.Auto,))
-    print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind})")
+    print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}), "
+          f"transport {a.transport}")
     ok = True
     for worst in (False, True):
         cfg = MoEConfig(num_experts=a.experts, experts_per_token=a.topk,
                         transport_buffer_factor=0.25 if worst else 1.5)
         args = inputs(a, len(devices), worst)
         y_ref, _, g_ref = run(AllGather, cfg, mesh, args)
-        y, rounds, grads = run(AllToAll, cfg, mesh, args)
+        y, rounds, grads = run(kind, cfg, mesh, args)
         errs = {"y": _rel(y, y_ref)}
         errs.update({name: _rel(g, r) for name, g, r in zip(
             ("dx", "dweights", "dw_gate", "dw_up", "dw_down"), grads, g_ref, strict=True)})

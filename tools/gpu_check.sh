@@ -87,6 +87,12 @@ A2A="--tokens 4096 --dim 1024 --ffn 512 --experts 64 --topk 6"
 if [ "$SECONDS" -lt 470 ]; then
   timeout $(( 530 - SECONDS )) $PY tools/check_all_to_all.py $A2A > "$OUT/all_to_all.txt" 2>&1
 fi
+# 7. the two-level transport's kernels the same way (one host: hop 1 a ragged_all_to_all over
+#    a group of one, hop 2 the rounds), only with the time left
+if [ "$SECONDS" -lt 490 ]; then
+  timeout $(( 535 - SECONDS )) $PY tools/check_all_to_all.py $A2A --transport two_level \
+    > "$OUT/two_level.txt" 2>&1
+fi
 tail -n 3 "$OUT"/*.txt "$OUT"/*.json
 head -n 9 "$OUT/plan_vs_measured.txt"
 tail -n 25 "$OUT"/bench_h200*.log

@@ -7,7 +7,8 @@ devices. Nothing is allocated: the arguments are abstract.
 
 Shapes (defaults: DeepSeek-V3): --tokens per device, --dim D, --experts E, --topk K, --ffn F,
 bfloat16. The mesh is `expert=ep` alone (tokens data-parallel over it, as the default rules
-shard the batch over `expert`). Paths: all_gather and all_to_all (dropless, moe.transport) and
+shard the batch over `expert`). Paths: all_gather, all_to_all and two_level (dropless,
+moe.transport; two_level with V3's 8 groups, 4 a token, over ep / --per-host hosts) and
 capacity (moe.capacity_factor 1.25); the CPU grouped matmul is `blocked`, the planner's GPU
 stand-in. `--compiler gpu` compiles for H100s instead, deviceless: the exchange is then
 ragged_all_to_all, as on a GPU (the grouped matmul stays `blocked`: a deviceless XLA:GPU
@@ -27,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: the child imports maxmoe from it
 PATHS = {"all_gather": ["moe.transport=all_gather"],
          "all_to_all": ["moe.transport=all_to_all"],
+         # DeepSeek-V3's group-limited routing (n_group 8, topk_group 4), hosts of --per-host
+         "two_level": ["moe.transport=two_level", "moe.num_groups=8", "moe.groups_per_token=4"],
          "capacity": ["moe.dispatch=capacity", "moe.capacity_factor=1.25"]}
 
 
@@ -42,9 +45,10 @@ def measure(ep: int, path: str, a) -> dict:
     from maxmoe.plan.probe import largest_buffers
     from maxmoe.sharding import make_mesh, named, use_mesh
 
+    hosts = [f"moe.expert_hosts={max(1, ep // a.per_host)}"] if path == "two_level" else []
     cfg, _ = load_config([], [f"moe.num_experts={a.experts}", f"moe.experts_per_token={a.topk}",
                               f"moe.expert_mlp_size={a.ffn}", "moe.grouped_matmul=blocked",
-                              *PATHS[path]])
+                              *PATHS[path], *hosts])
     moe = cfg.moe
     sizes = dict(data=1, fsdp=1, pipeline=1, expert=ep, tensor=1)
     if a.compiler == "gpu":  # deviceless XLA:GPU (docs/gpu_aot.md): ragged_all_to_all
@@ -86,6 +90,8 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--per-host", type=int, default=8,
+                   help="two_level: devices a host (the expert axis spans ep / this hosts)")
     p.add_argument("--compiler", choices=["cpu", "gpu"], default="cpu",
                    help="gpu: deviceless XLA:GPU compile for H100s (needs jax[cuda12], run "
                    "with /work/venv-gpuaot/bin/python; docs/gpu_aot.md)")
@@ -98,7 +104,8 @@ def main() -> int:
     print("| ep | path | arguments GiB | temporaries GiB | args + temps GiB |\n"
           "|---:|---|---:|---:|---:|")
     shape = ["--tokens", str(a.tokens), "--dim", str(a.dim), "--experts", str(a.experts),
-             "--topk", str(a.topk), "--ffn", str(a.ffn), "--compiler", a.compiler]
+             "--topk", str(a.topk), "--ffn", str(a.ffn), "--per-host", str(a.per_host),
+             "--compiler", a.compiler]
     for ep in a.ep:
         for path in a.paths:
             path_env = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

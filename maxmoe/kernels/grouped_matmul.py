@@ -163,7 +163,7 @@ def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_d
     """block_expert_mlp's backward into float32 accumulators acc = (dx [T, D], d row_weight
     [N, bs], d w_gate, d w_up, d w_down) (their shapes as the inputs'): returns acc with the
     gradients added (d row_weight: set for the blocks in use, the rest kept). gy [T, D]: the output's cotangent. A caller that runs the kernel several
-    times on the same weights (parallel/dispatch.py's rounds) sums the weight gradients here,
+    times on the same weights (parallel/all_to_all.py's rounds) sums the weight gradients here,
     in place, instead of in a second weight-sized buffer."""
     x, gy = x.reshape(-1, x.shape[-1]), jnp.asarray(gy)
     f = w_down.shape[1]

@@ -11,12 +11,12 @@ shard_map and hands the tokens to a dispatcher (parallel/dispatch.py, one class 
 - dropless, moe.transport all_to_all (`AllToAll`): each assignment goes once to its expert's
   shard and back, in rounds of a fixed slot count per (source, destination) pair; buffers of
   c T K rows whatever ep; nothing dropped (skew runs extra rounds).
-- capacity (`Capacity`, here beside `capacity_dispatch`): every device packs its own
-  assignments into `capacity` slots per expert (GShard/Switch), exchanges them with one
-  all-to-all over the expert axis, runs dense batched matmuls and sends results back with a
-  second all-to-all. Slots are counted per sequence (capacity_for), so which assignments are
-  dropped does not depend on the layout. Overflowing assignments are dropped, by arrival order ("position") or
-  lowest router weight first ("probability").
+- dropless, moe.transport two_level (`TwoLevel`, parallel/two_level.py): under group-limited
+  routing, each token once to each host holding its experts, then inside the host to their
+  devices (DeepSeek-V3's node-limited dispatch).
+- capacity (`Capacity`, parallel/capacity.py): every device packs its own assignments into
+  `capacity` slots per expert (GShard/Switch), exchanged with one all-to-all each way over the
+  expert axis; slots counted per sequence, the overflow dropped.
 
 All return (y [B, S, D], stats: dropped fraction of (token, k) assignments, exchange rounds).
 """
@@ -31,82 +31,16 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import MoEConfig
+from maxmoe.parallel.capacity import Capacity
 from maxmoe.parallel.dispatch import (
     AllGather,
     AllToAll,
-    Dispatched,
     Dispatcher,
     ExpertShards,
     choose_transport,
 )
+from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.sharding import current_mesh, mesh_axes
-
-
-def capacity_slots(expert_idx, weights, num_experts: int, capacity: int, drop_policy: str):
-    """Slot of every (token, k) assignment in its expert's buffer; -1 when dropped.
-
-    expert_idx, weights [T, K]. Returns slot [T, K] int32. Priority: all first choices before
-    any second choice (GShard), then token order ("position") or router weight ("probability").
-    """
-    t, k = expert_idx.shape
-    flat_e = expert_idx.T.reshape(-1)  # k-major: first choices first
-    if drop_policy == "probability":
-        order = jnp.argsort(-weights.T.reshape(-1), stable=True)
-    else:
-        order = jnp.arange(t * k)
-    onehot = jax.nn.one_hot(flat_e[order], num_experts, dtype=jnp.int32)  # [T*K, E]
-    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
-    slot_sorted = jnp.where(position < capacity, position, -1)
-    slot = jnp.zeros((t * k,), jnp.int32).at[order].set(slot_sorted)
-    return slot.reshape(k, t).T
-
-
-def capacity_for(seq_len: int, cfg: MoEConfig) -> int:
-    """Slots per expert per sequence of `seq_len` tokens: ceil(factor * seq_len * K / E).
-
-    Per sequence, not per device: every layout gives each device whole sequences inside the
-    dispatch (its shard_map splits only the batch dim), so a sequence's assignments compete for
-    the same slots on any mesh, in any pipeline microbatch, and one device drops exactly what a
-    sharded run drops.
-    """
-    return max(1, math.ceil(cfg.capacity_factor * seq_len * cfg.experts_per_token
-                            / cfg.num_experts))
-
-
-def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
-                      seq_len: int, exchange=None):
-    """Capacity-bounded experts for local tokens x [T, D], T = whole sequences of seq_len
-    tokens (row-major). exchange(buf, inverse) moves [E, C, D] buffers between expert shards
-    (all-to-all); None = all experts are local.
-
-    Each sequence ranks its own assignments (capacity_slots) into capacity_for(seq_len) slots
-    per expert; C = sequences x that. Returns ([T, D] float32, number of dropped assignments).
-    """
-    t, d = x.shape
-    num_experts, k = cfg.num_experts, expert_idx.shape[-1]
-    rows, per_seq = t // seq_len, capacity_for(seq_len, cfg)
-    capacity = rows * per_seq
-    with jax.named_scope("dispatch"):
-        slot = jax.vmap(lambda i, w: capacity_slots(i, w, num_experts, per_seq, cfg.drop_policy))(
-            expert_idx.reshape(rows, seq_len, k), weights.reshape(rows, seq_len, k))
-        first = (jnp.arange(rows, dtype=jnp.int32) * per_seq)[:, None, None]
-        slot = jnp.where(slot >= 0, slot + first, -1).reshape(t, k)  # sequence r: [r C_s, ...)
-        kept = slot >= 0
-        tok = jnp.broadcast_to(jnp.arange(t)[:, None], slot.shape)
-        buf = jnp.zeros((num_experts, capacity, d), x.dtype)
-        buf = buf.at[expert_idx, jnp.where(kept, slot, capacity)].set(x[tok], mode="drop")
-        if exchange is not None:
-            buf = exchange(buf, inverse=False)  # [E, C, D] -> [ep, El, C, D] received
-    with jax.named_scope("grouped_matmul"):
-        h = jax.nn.silu(jnp.einsum("...cd,...df->...cf", buf, w_gate)) * jnp.einsum(
-            "...cd,...df->...cf", buf, w_up)
-        out = jnp.einsum("...cf,...fd->...cd", h, w_down)
-    with jax.named_scope("combine"):
-        if exchange is not None:
-            out = exchange(out, inverse=True)
-        gathered = out[expert_idx, jnp.where(kept, slot, 0)].astype(jnp.float32)  # [T, K, D]
-        w = jnp.where(kept, weights, 0.0).astype(jnp.float32)
-        return jnp.einsum("tkd,tk->td", gathered, w), jnp.sum(~kept)
 
 
 def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig):
@@ -168,7 +102,8 @@ def _stats(dropped, rounds, total: int) -> dict:
 
 def _dispatcher(cfg: MoEConfig, shards: ExpertShards, mesh, seq_len: int) -> Dispatcher:
     """The dispatcher of moe.dispatch / moe.transport on this mesh (auto: choose_transport with
-    the hosts the expert axes span, counted from the devices' processes)."""
+    the hosts the expert axes span, counted from the devices' processes; two_level: over
+    moe.expert_hosts hosts, else that count)."""
     if cfg.dispatch == "capacity":
         return Capacity(cfg, shards, seq_len)
     if not shards.axes:  # experts not split: every shard runs them all, nothing travels
@@ -178,49 +113,6 @@ def _dispatcher(cfg: MoEConfig, shards: ExpertShards, mesh, seq_len: int) -> Dis
     along = mesh.devices[tuple(slice(None) if a in shards.axes else 0 for a in mesh.axis_names)]
     hosts = len({d.process_index for d in along.flat})
     transport = choose_transport(cfg, ep, hosts)
+    if transport == "two_level":
+        return TwoLevel(cfg, shards, hosts=cfg.expert_hosts or hosts)
     return AllToAll(cfg, shards) if transport == "all_to_all" else AllGather(cfg, shards)
-
-
-class Capacity(Dispatcher):
-    """Capacity-bounded slots per expert (GShard/Switch), the overflow dropped
-    (`capacity_dispatch`, slots per sequence of seq_len tokens); one all-to-all of [E, C, D]
-    slot buffers each way."""
-
-    def __init__(self, cfg: MoEConfig, shards: ExpertShards | None = None, seq_len: int = 0):
-        super().__init__(cfg, shards)
-        self.seq_len = seq_len
-
-    def __call__(self, x, expert_idx, weights, w_gate, w_up, w_down) -> Dispatched:
-        cfg, shards = self.cfg, self.shards
-        x = x.reshape(-1, x.shape[-1])
-        if any(a not in shards.gathered for a in shards.axes):
-            # tokens replicated over some expert axes: every shard keeps its own experts' slots
-            first = shards.first_expert(w_gate.shape[0])
-            y, dropped = capacity_dispatch(x, expert_idx, weights,
-                                           *_padded_local(w_gate, w_up, w_down, first, cfg), cfg,
-                                           self.seq_len)
-        else:
-            exchange = _exchange(shards.gathered) if shards.gathered else None
-            y, dropped = capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg,
-                                           self.seq_len, exchange=exchange)
-        return Dispatched(y, jnp.asarray(dropped, jnp.int32), jnp.ones((), jnp.int32))
-
-
-def _exchange(axes):
-    """All-to-all of [E, C, D] slot buffers over the expert shards `axes` (and back)."""
-    def exchange(buf, inverse):
-        if not inverse:  # [E, C, D] -> [ep, El, C, D]: slots for shard j go to shard j
-            ep = math.prod(current_mesh().shape[a] for a in axes)
-            buf = buf.reshape(ep, buf.shape[0] // ep, *buf.shape[1:])
-            return jax.lax.all_to_all(buf, axes, split_axis=0, concat_axis=0, tiled=False)
-        out = jax.lax.all_to_all(buf, axes, split_axis=0, concat_axis=0, tiled=False)
-        return out.reshape(-1, *out.shape[2:])  # back to [E, C, D] on the token owner
-    return exchange
-
-
-def _padded_local(wg, wu, wd, first, cfg: MoEConfig):
-    """Local expert weights placed into zero-padded full-E stacks (tokens replicated case)."""
-    def pad(w):
-        full = jnp.zeros((cfg.num_experts, *w.shape[1:]), w.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(full, w, first, axis=0)
-    return pad(wg), pad(wu), pad(wd)

@@ -36,14 +36,16 @@ from flax import nnx
 from maxmoe.model.spec import PipelineSchedule
 from maxmoe.sharding import current_mesh, mesh_axes, param_axes, shard, spec
 
-# aux values summed over microbatches (then averaged, expert_load kept a sum); other per-token
+# aux values summed over microbatches (then averaged, expert_load kept a sum), or maxed
+# (_AUX_MAXED: dispatch_rounds, the rounds the worst microbatch needed); other per-token
 # outputs are dropped. The losses' inputs (z, sequence, load, affinity) are sums or means over
 # equal groups of rows (model/router.py), so they equal the whole batch's; activation_rms,
-# router_entropy, dropped_fraction and dispatch_rounds (metrics only) are means of the
-# microbatches' values (router_entropy and dropped_fraction: exactly the batch's, as each
-# microbatch has as many tokens).
+# router_entropy and dropped_fraction (metrics only) are means of the microbatches' values
+# (router_entropy and dropped_fraction: exactly the batch's, as each microbatch has as many
+# tokens); dispatch_rounds is their max (the rounds the worst microbatch needed).
 _AUX_KEYS = ("z_loss", "sequence_balance_loss", "expert_load", "router_affinity",
              "router_entropy", "activation_rms", "dropped_fraction", "dispatch_rounds")
+_AUX_MAXED = ("dispatch_rounds",)
 
 
 def num_stages() -> int:
@@ -231,8 +233,7 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
         h_in = buf.at[0].set(jnp.where(t < m, fresh, again))
         h, aux = all_stages(stage_params, mask, h_in, segs[micro], poss[micro], v)
         weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
-        aux_sum = {k: acc + jnp.einsum("pv,p...->pv...", weight, aux[k].astype(jnp.float32))
-                   for k, acc in aux_sum.items()}
+        aux_sum = {k: _aux_add(k, acc, weight, aux[k]) for k, acc in aux_sum.items()}
         # the last stage's output of virtual microbatch i goes to out[i mod M]: read again by
         # stage 0 for the next pass, and after the final pass it is the result
         last = i[stages - 1]
@@ -248,13 +249,22 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
     return shard(y, ("batch", "seq", "act_embed")), _natural_aux(aux_sum, table, m)
 
 
+def _aux_add(key: str, acc, weight, value):
+    """acc [P, V, ...] with one iteration's aux value [P, ...] added where weight [P, V] (0 or
+    1: the stage's pass is a real microbatch) is 1: summed, or maxed for _AUX_MAXED keys (their
+    values are >= 0, so a 0 weight leaves acc)."""
+    term = jnp.einsum("pv,p...->pv...", weight, value.astype(jnp.float32))
+    return jnp.maximum(acc, term) if key in _AUX_MAXED else acc + term
+
+
 def _natural_aux(aux_sum: dict, table: list[list[int]], m: int) -> dict:
-    """aux [P, V, slots, ...] summed over m microbatches -> the mean (expert_load: the sum) of
-    each real layer, in natural layer order [L, ...]; padding slots dropped."""
+    """aux [P, V, slots, ...] summed (or maxed) over m microbatches -> the mean (expert_load:
+    the sum; _AUX_MAXED: the max) of each real layer, in natural layer order [L, ...]; padding
+    slots dropped."""
     flat = np.asarray(table).reshape(-1)
     where = jnp.asarray(np.argsort(np.where(flat >= 0, flat, flat.size))[:int((flat >= 0).sum())])
     out = {}
     for k, a in aux_sum.items():
         a = jnp.take(a.reshape(-1, *a.shape[3:]), where, axis=0)
-        out[k] = a if k == "expert_load" else a / m  # the load stays a count
+        out[k] = a if k == "expert_load" or k in _AUX_MAXED else a / m  # a count, a max
     return out

@@ -259,6 +259,7 @@ def grad_norms_by_group(grads) -> dict[str, jax.Array]:
 SUMMED = ("loss", "ce_loss", "mtp_loss", "balance_loss", "z_loss", "sequence_balance_loss",
           "dropped_fraction", "expert_load")
 ROOT_MEAN_SQUARE = ("activation_rms", "dense_activation_rms")
+MAXED = ("dispatch_rounds",)
 
 
 def accumulated(metrics: dict) -> dict:
@@ -271,6 +272,7 @@ def accumulated(metrics: dict) -> dict:
       max of microbatch maxima would not be the step's);
     - ROOT_MEAN_SQUARE: the residual RMS per layer, root of the mean square over microbatches
       (each holds the same number of positions);
+    - MAXED: dispatch_rounds, the rounds the worst microbatch needed;
     - anything else: the mean over microbatches (router_entropy and
       dropped_fraction_by_layer: exactly the step's, as every microbatch has as many tokens
       and assignments)."""
@@ -280,6 +282,8 @@ def accumulated(metrics: dict) -> dict:
             out[key] = jnp.sum(value, axis=0)
         elif key in ROOT_MEAN_SQUARE:
             out[key] = jnp.sqrt(jnp.mean(jnp.square(value), axis=0))
+        elif key in MAXED:
+            out[key] = jnp.max(value, axis=0)
         else:
             out[key] = jnp.mean(value, axis=0)
     if "expert_load" in out:

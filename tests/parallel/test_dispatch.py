@@ -62,7 +62,7 @@ def _loss_and_grads(cfg, x, idx, weights, wg, wu, wd):
 
 
 @pytest.mark.parametrize("mesh, grouped_matmul", [(m, "blocked") for m in MESHES]
-                         + [("expert8", "ragged_dot")])  # the two backward forms of _rounds
+                         + [("expert8", "ragged_dot")])  # the two backward forms of exchange_rounds
 def test_all_to_all_equals_one_device_under_worst_case_routing(mesh, grouped_matmul):
     cfg = MoEConfig(num_experts=E, experts_per_token=K, transport="all_to_all",
                     transport_buffer_factor=1.5, grouped_matmul=grouped_matmul, block_size=8)
@@ -138,7 +138,8 @@ def test_gpu_form_compiles_for_gpu_without_a_device():
 @pytest.mark.parametrize("transport, ep, hosts, chosen", [
     ("auto", 8, 1, "all_gather"), ("auto", AUTO_ALL_GATHER_MAX_EP * 2, 1, "all_to_all"),
     ("auto", 8, 2, "all_to_all"), ("auto", 2, 1, "all_gather"),
-    ("all_to_all", 2, 1, "all_to_all"), ("all_gather", 64, 8, "all_gather")])
+    ("all_to_all", 2, 1, "all_to_all"), ("all_gather", 64, 8, "all_gather"),
+    ("two_level", 64, 8, "two_level")])
 def test_auto_picks_as_documented(transport, ep, hosts, chosen):
     assert choose_transport(MoEConfig(transport=transport), ep, hosts) == chosen
 
@@ -154,7 +155,6 @@ def test_start_up_line_names_the_choice():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["moe.transport=two_level"], "moe.transport.*not built yet"),
     (["moe.transport=ragged"], "moe.transport.*unknown transport"),
     (["moe.transport=all_to_all", "moe.dispatch=capacity"], "moe.transport.*capacity"),
     (["moe.transport_buffer_factor=0"], "moe.transport_buffer_factor.*> 0")])

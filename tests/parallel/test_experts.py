@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from maxmoe.config import DEFAULT_RULES, MoEConfig
-from maxmoe.parallel.experts import capacity_slots, routed_experts
+from maxmoe.parallel.capacity import capacity_slots
+from maxmoe.parallel.experts import routed_experts
 from maxmoe.sharding import make_mesh, named, use_mesh
 
 E, K, D, F = 8, 2, 16, 8

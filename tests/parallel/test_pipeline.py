@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from maxmoe.model.spec import PipelineSchedule
-from maxmoe.parallel.pipeline import _stage_slots, slot_permutes
+from maxmoe.parallel.pipeline import _aux_add, _natural_aux, _stage_slots, slot_permutes
 from maxmoe.sharding import current_mesh, make_mesh, spec, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
@@ -81,6 +81,23 @@ def test_equal_circular_chunks_move_as_whole_chunks():
     """4 stages x 2 repeats of 2-layer chunks: each permute moves a whole chunk, V^2 at most."""
     moves = slot_permutes(_table(4, 2, 16), 4)
     assert {n for *_, n, _ in moves} == {2} and len(moves) <= 4
+
+
+def test_pipeline_aux_maxes_dispatch_rounds_and_averages_the_rest():
+    """2 stages x 1 layer, 2 microbatches through the schedule's 3 iterations (stage p runs
+    microbatch t - p): dispatch_rounds per layer is the max over microbatches, dropped_fraction
+    the mean. Layer 0 ran 1 then 3 rounds, layer 1 ran 2 then 1."""
+    table, m = _table(2, 1, 2), 2
+    rounds = {0: [1.0, 3.0], 1: [2.0, 1.0]}  # layer (= stage) -> rounds per microbatch
+    acc = {k: jnp.zeros((2, 1, 1)) for k in ("dispatch_rounds", "dropped_fraction")}
+    for t in range(3):
+        micro = [t - p for p in range(2)]
+        weight = jnp.array([[1.0 if 0 <= i < m else 0.0] for i in micro])  # [P, V]
+        value = jnp.array([[rounds[p][i] if 0 <= i < m else 7.0] for p, i in enumerate(micro)])
+        acc = {k: _aux_add(k, a, weight, value) for k, a in acc.items()}
+    out = _natural_aux(acc, table, m)
+    np.testing.assert_array_equal(out["dispatch_rounds"], [3.0, 2.0])
+    np.testing.assert_allclose(out["dropped_fraction"], [2.0, 1.5])
 
 
 @pytest.mark.parametrize("stages, layers, split, rules", [

@@ -12,6 +12,7 @@ balance loss (a mean over rows) and MTP (its own loss tokens) stay on: they deco
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -20,7 +21,7 @@ from maxmoe.config import load_config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
 from maxmoe.sharding import make_mesh, named, spec, state_shardings, use_mesh
-from maxmoe.train.step import make_gradients
+from maxmoe.train.step import accumulated, make_gradients
 from maxmoe.validation import dcn_sizes, validate
 from tests.helpers import random_batch
 
@@ -113,3 +114,13 @@ def test_accumulation_on_eight_devices(reference):
     cfg, origins = config("train.grad_accum_steps=2", "mesh.fsdp=2", "mesh.expert=2",
                           "mesh.data=2")
     assert_same_step(gradients(cfg, origins, batch, num_devices=8), ref)
+
+
+def test_dispatch_rounds_is_the_max_over_microbatches():
+    """Two microbatches, the second needing 3 exchange rounds where the first needs 1: the
+    step reports 3 (the rounds the worst microbatch ran), not their mean 2; a mean-combined
+    metric beside it stays a mean."""
+    out = accumulated({"dispatch_rounds": jnp.array([1.0, 3.0]),
+                       "update_ratio": jnp.array([1.0, 3.0])})
+    assert float(out["dispatch_rounds"]) == 3.0
+    assert float(out["update_ratio"]) == 2.0

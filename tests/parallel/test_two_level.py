@@ -1,0 +1,164 @@
+"""The two-level transport (moe.transport=two_level) against one device, and its config rules.
+
+Reference: the same routed_experts on one device (no mesh, `dropless_local`), float32; forward
+and gradients within rtol 1e-4, atol 1e-5 (only the order of float32 sums differs). Routing:
+group-limited (4 groups of 2 experts, each token in at most 2 groups), random, and the worst
+case of hop 2 (every token to experts 0 and 1, both on host 0's device 0 when a device holds
+2 experts). One process stands in for H hosts (moe.expert_hosts).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from maxmoe.config import DEFAULT_RULES, ConfigError, MoEConfig
+from maxmoe.parallel.dispatch import ExpertShards, describe_transport, resolve_transport
+from maxmoe.parallel.experts import routed_experts
+from maxmoe.parallel.two_level import TwoLevel
+from maxmoe.plan.gpu_aot import gpu_devices
+from maxmoe.sharding import make_mesh, named, use_mesh
+from maxmoe.validation import validate
+from tests.helpers import small_config
+
+E, K, D, F, GROUPS = 8, 2, 16, 8, 4
+B, S = 8, 16  # 128 tokens
+W_AXES = [("experts", "embed", "expert_mlp")] * 2 + [("experts", "expert_mlp", "embed")]
+
+
+def _inputs(worst: bool):
+    keys = jax.random.split(jax.random.key(0), 7)
+    x = jax.random.normal(keys[0], (B, S, D))
+    if worst:
+        idx = jnp.zeros((B, S, K), jnp.int32).at[..., 1].set(1)
+    else:  # each token: K distinct experts from at most 2 of the 4 groups
+        groups = jax.random.randint(keys[5], (B, S, K), 0, GROUPS)
+        idx = groups * (E // GROUPS) + jnp.arange(K) % (E // GROUPS)
+        idx = jnp.where(jax.random.bernoulli(keys[6], 0.5, (B, S, 1)), idx, idx[..., :1]
+                        + jnp.arange(K) % (E // GROUPS))
+    weights = jax.random.uniform(keys[1], (B, S, K))
+    wg, wu = (0.3 * jax.random.normal(k, (E, D, F)) for k in keys[2:4])
+    return x, idx, weights, wg, wu, 0.3 * jax.random.normal(keys[4], (E, F, D))
+
+
+def _loss_and_grads(cfg, x, idx, weights, wg, wu, wd):
+    def loss(x, weights, wg, wu, wd):
+        y, stats = routed_experts(x, idx, weights, wg, wu, wd, cfg)
+        return jnp.sum(jnp.sin(y)), (y, stats)
+    (_, (y, stats)), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(
+        x, weights, wg, wu, wd)
+    return y, stats, grads
+
+
+MESHES = {"expert8": dict(data=1, fsdp=1, pipeline=1, expert=8, tensor=1),
+          "data2 expert4": dict(data=2, fsdp=1, pipeline=1, expert=4, tensor=1)}
+
+
+@pytest.mark.parametrize("mesh, hosts, worst, kernel", [
+    ("expert8", 2, False, "blocked"), ("expert8", 4, True, "blocked"),
+    ("expert8", 2, True, "ragged_dot"), ("data2 expert4", 2, False, "blocked")])
+def test_two_level_equals_one_device(mesh, hosts, worst, kernel):
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, transport="two_level",
+                    num_groups=GROUPS, groups_per_token=2, expert_hosts=hosts,
+                    transport_buffer_factor=1.5, grouped_matmul=kernel, block_size=8)
+    args = _inputs(worst)
+    y_ref, _, g_ref = jax.jit(functools.partial(_loss_and_grads, cfg))(*args)
+    x, idx, weights, wg, wu, wd = args
+    with use_mesh(make_mesh(MESHES[mesh]), DEFAULT_RULES):
+        tok = [jax.device_put(a, named(("batch", "seq", None))) for a in (x, idx, weights)]
+        ws = [jax.device_put(w, named(a)) for w, a in zip((wg, wu, wd), W_AXES, strict=True)]
+        y, stats, grads = jax.jit(functools.partial(_loss_and_grads, cfg))(*tok, *ws)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
+    for name, g, r in zip(("x", "weights", "w_gate", "w_up", "w_down"), grads, g_ref,
+                          strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=name)
+    assert float(stats["dropped_fraction"]) == 0.0
+    if worst:  # hop 2: each of host 0's hop-1 receivers holds H T rows, all for device 0
+        ep = MESHES[mesh]["expert"]
+        t = B * S // (MESHES[mesh]["data"] * ep)
+        per_host = ep // hosts
+        pair = hosts * t * K if E // ep >= 2 else hosts * t
+        assert float(stats["dispatch_rounds"]) == math.ceil(pair / math.ceil(1.5 * t * K
+                                                                               / per_host))
+        assert math.ceil(pair / math.ceil(1.5 * t * K / per_host)) > 1  # extra rounds ran
+
+
+def test_gpu_form_lowers_with_grouped_ragged_all_to_all():
+    """The GPU exchange of both hops (ragged_all_to_all over axis_index_groups, which XLA:CPU
+    cannot compile) lowers, forward and backward; the dense form has no ragged op. Lowering
+    only, no compile."""
+    mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, num_groups=GROUPS, groups_per_token=2,
+                    grouped_matmul="ragged_dot")
+    shards = ExpertShards(axes=("expert",), sizes=(8,), gathered=("expert",), sync=("expert",))
+    x, idx, weights, wg, wu, wd = _inputs(worst=False)
+    args = (x.reshape(-1, D), idx.reshape(-1, K), weights.reshape(-1, K), wg, wu, wd)
+
+    def on(ragged):
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("expert"),) * 6,
+                           out_specs=P("expert"), check_vma=False)
+        def body(*a):
+            return TwoLevel(cfg, shards, hosts=2, ragged=ragged)(*a).y
+        return body
+    text = jax.jit(jax.grad(lambda *a: jnp.sum(on(True)(*a)), argnums=(0, 2, 3))).lower(
+        *args).as_text()
+    assert "ragged_all_to_all" in text and "replica_groups" in text
+    dense = jax.jit(on(False)).lower(*args).as_text()
+    assert "ragged_all_to_all" not in dense and "all_to_all" in dense
+
+
+def test_gpu_form_compiles_for_gpu_without_a_device():
+    """Deviceless XLA:GPU compile of both hops, forward and backward (the venv with
+    jax[cuda12], docs/gpu_aot.md; skipped without the plugin): XLA:GPU takes the grouped
+    ragged-all-to-all."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
+    mesh = jax.sharding.Mesh(gpu_devices(4, "h100"), ("expert",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, grouped_matmul="blocked", block_size=8)
+    shards = ExpertShards(axes=("expert",), sizes=(4,), gathered=("expert",), sync=("expert",))
+    rows = jax.sharding.NamedSharding(mesh, P("expert"))
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows) for a in (
+        jnp.zeros((4 * 64, D)), jnp.zeros((4 * 64, K), jnp.int32), jnp.zeros((4 * 64, K)),
+        *_inputs(worst=False)[3:])]
+
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("expert"),) * 6,
+                       out_specs=P("expert"), check_vma=False)
+    def body(*a):
+        return TwoLevel(cfg, shards, hosts=2, ragged=True)(*a).y
+    hlo = jax.jit(jax.grad(lambda *a: jnp.sum(body(*a)), argnums=(0, 2, 3))).lower(
+        *args).compile().as_text()
+    assert "ragged-all-to-all" in hlo
+
+
+TWO_LEVEL = ["moe.transport=two_level", "moe.num_groups=4", "moe.groups_per_token=2"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["moe.transport=two_level", "mesh.expert=8", "mesh.data=1"],
+     "moe.transport.*two_level needs group-limited routing.*moe.num_groups=1.*set moe.num_groups"),
+    ([*TWO_LEVEL, "mesh.expert=4", "mesh.data=2", "mesh.rules.batch=[data,fsdp]"],
+     "moe.transport.*one expert mesh axis that also shards the batch"),
+    ([*TWO_LEVEL, "mesh.expert=8", "mesh.data=1", "moe.expert_hosts=8"],
+     "moe.transport.*span 8 hosts.*moe.num_groups=4; use a host count dividing both"),
+    ([*TWO_LEVEL, "mesh.expert=8", "mesh.data=1", "mesh.dcn_expert=8"],
+     "moe.transport.*span 8 hosts.*mesh.dcn_expert"),
+    ([*TWO_LEVEL, "mesh.expert=4", "mesh.data=1", "mesh.pipeline=2", "model.num_layers=3"],
+     "moe.transport.*does not run under the pipeline.*set mesh.pipeline=1"),
+    (["moe.expert_hosts=-1"], "moe.expert_hosts.*>= 0")])
+def test_bad_two_level_settings_name_key_and_fix(overrides, message):
+    cfg, origins = small_config(*overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg, 8, origins)
+    assert "\n" not in str(err.value)
+
+
+def test_two_level_hosts_come_from_the_dcn_factor_and_the_start_up_line_says_so():
+    cfg, origins = small_config(*TWO_LEVEL, "mesh.expert=8", "mesh.data=1", "mesh.dcn_expert=2")
+    sizes = validate(cfg, 8, origins)
+    assert resolve_transport(cfg, sizes).moe.expert_hosts == 2
+    line = describe_transport(cfg, sizes)
+    assert "transport two_level over 8 expert shards (set)" in line and "2 hosts x 4" in line
