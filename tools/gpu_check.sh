@@ -57,7 +57,10 @@ rm -rf /tmp/maxmoe_h200_run
 timeout 110 $PY -m maxmoe.cli train $CFG "${SHRINK[@]}" $ATTN train.steps=30 logging.every_steps=5 \
   checkpoint.enabled=false \
   run.dir=/tmp/maxmoe_h200_run > "$OUT/train.json" 2> "$OUT/train.log"
+# its records carry peak_memory_bytes (memory_stats, issue 26: absent on CPU) and the
+# per-layer arrays; TensorBoard needs tensorboardX on the device image, else the run says so
 cp /tmp/maxmoe_h200_run/metrics.jsonl "$OUT/train_metrics.jsonl" 2>/dev/null
+cp /tmp/maxmoe_h200_run/events.jsonl "$OUT/train_events.jsonl" 2>/dev/null
 cp /tmp/maxmoe_h200_run/plan.json "$OUT/train_plan.json" 2>/dev/null  # the same figures, H200 compile
 # 4. optimizer.offload_state: XLA's memory analysis and the device's own peak with the Adam
 #    moments on the device and in pinned host memory (XLA:CPU places no memory kinds, so only
