@@ -14,6 +14,11 @@ microbatch's back for its next pass M - P + 1 iterations later (M >= P).
 - gpipe (V = 1): any M; bubble (P - 1) / (M + P - 1).
 - circular (V > 1, M >= P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
 
+Each iteration's stage pass is rematerialised (per-iteration remat): the backward keeps only
+the stage inputs, one microbatch's [B/M, S, D] per iteration, and recomputes the pass (one more
+forward of the pipelined layers), so the weights each stage picked are not kept per iteration
+(docs/performance.md, "Pipeline memory at scale").
+
 Weights are stored in natural layer order (checkpoints do not depend on the stages), their
 layer dim split over the pipeline axis in contiguous blocks where P divides it. Each step
 regroups them into stage slots (`stage_layout`) with collectives that move every byte once;
@@ -205,6 +210,11 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
         slots = jax.lax.dynamic_index_in_dim(stage_mask, v, 0, keepdims=False)
         return run_layers(graphdef, params, h, seg, pos, mask=slots if padded else None)
 
+    # per-iteration remat: the backward recomputes each stage's pass from its input. Without
+    # it, differentiating the scan over iterations keeps what each iteration derived from its
+    # index, the weights each stage picked for its pass: iterations x one stage's weights.
+    stage_step = jax.checkpoint(stage_step, policy=jax.checkpoint_policies.nothing_saveable,
+                                prevent_cse=False)
     stage_axes = mesh_axes("stage")
     all_stages = jax.vmap(stage_step, spmd_axis_name=stage_axes[0] if len(stage_axes) == 1
                           else (stage_axes or None))
