@@ -42,8 +42,9 @@ def _temps_and_stage_bytes(*overrides: str) -> tuple[int, int, int]:
     return memory_analysis(compiled)["temp_bytes"], stage_bytes // stages, schedule.iterations
 
 
+# the circular schedule alone (33 iterations): gpipe runs the same per-iteration stage pass
+# (measured 20.4x -> 4.1x there), and each case is a ~70 s compile on 2 loaded cores
 @pytest.mark.parametrize("layout", [
-    ["mesh.pipeline=2"],  # gpipe, 17 iterations, data 4
     ["mesh.pipeline=2", "model.pipeline_schedule=circular", "model.num_layers=5"]])
 def test_pipelined_temporaries_stay_within_a_few_stage_weights(layout):
     """Bound: 6 x one stage's f32 weights (its gathered copy, bf16 casts, the f32 gradient and
