@@ -236,9 +236,11 @@ class _Loop:
         def run_eval(event: StepEnd) -> None:
             t = time.perf_counter()
             event.extra[EVAL_LOSS] = evaluate(event.state).loss
-            self.window.excluded_s += time.perf_counter() - t  # not training time
+            seconds = time.perf_counter() - t
+            self.window.excluded_s += seconds  # not training time: kept out of tokens/s
+            event.extra["eval_time_s"] = seconds  # its own figure (the first one compiles)
             self.timing.busy_now()
-            log(f"step {event.step}: eval loss {event.extra[EVAL_LOSS]:.4f}")
+            log(f"step {event.step}: eval loss {event.extra[EVAL_LOSS]:.4f} ({seconds:.1f} s)")
         return run_eval
 
     def saver(self, config_json: dict, layout: dict) -> Callable[[StepEnd], None]:
