@@ -6,7 +6,7 @@ Tags (README "Metrics"), for any record:
 - a dict of groups: `key/group/layer_NN` for an array, `key/group` for a scalar; a dict keyed
   by layer numbers (`dead_experts` {"<layer>": [expert ids]}): `key/layer_NN` = how many ids;
 - an [L, E] array: a histogram of its row per layer, `key/layer_NN`, and for the keys in
-  HEATMAPS one image `key/heatmap` (matplotlib, rows = MoE layers, columns = experts).
+  HEATMAPS one image `key/heatmap` (viridis, rows = MoE layers, columns = experts).
 Non-finite values (null in metrics.jsonl) and strings are left out; arrays of more than two
 dimensions too.
 """
@@ -17,10 +17,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-
-# the object-oriented API with the Agg canvas: no pyplot, no GUI backend, safe off the main thread
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+from matplotlib import colormaps  # the colour table only: no figure, no pyplot
 from tensorboardX import FileWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
 from tensorboardX.proto.summary_pb2 import Summary
@@ -81,38 +78,24 @@ def flatten(record: dict) -> Flat:
 
 
 class Heatmap:
-    """Draws an [L, E] array as a heatmap (rows: MoE layers, columns: experts, a colour bar)
-    -> uint8 RGB pixels [H, W, 3]. Keeps its figure and redraws only the data for an array of
-    the same shape (a fresh figure per step costs several times more); one per thread."""
+    """Colours an [L, E] array as heatmap pixels (rows: MoE layers, columns: experts; viridis
+    over the array's finite min..max, non-finite cells black), each cell a block of pixels
+    -> uint8 RGB [H, W, 3]. A colormap lookup, not a drawn figure: matplotlib's canvas took
+    ~22 ms of the loop's CPU per logged step, which on a CPU backend the step pays for
+    (docs/performance.md, Metric writers). The tag names the array; the title is unused."""
 
-    def __init__(self):
-        self._shape, self._canvas, self._image, self._title = None, None, None, None
+    def __init__(self, target_pixels: int = 512):
+        self.target = target_pixels  # the longer side is scaled up to about this
 
-    def _build(self, values: np.ndarray) -> None:
-        rows, cols = self._shape = values.shape
-        width, height = 8.0, 1.6 + min(rows, 64) * 0.07  # inches; margins below in inches
-        fig = Figure(figsize=(width, height), dpi=80)
-        self._canvas = FigureCanvasAgg(fig)
-        bottom, plot_h = 0.55 / height, (height - 0.9) / height
-        ax = fig.add_axes((0.8 / width, bottom, (width - 2.1) / width, plot_h))
-        bar = fig.add_axes(((width - 1.15) / width, bottom, 0.15 / width, plot_h))
-        self._image = ax.imshow(values, aspect="auto", interpolation="nearest", cmap="viridis")
-        fig.colorbar(self._image, cax=bar)
-        ax.set_xlabel(f"expert (of {cols})")
-        ax.set_ylabel(f"MoE layer (of {rows})")
-        self._title = ax.set_title("", fontsize=10)
-
-    def __call__(self, values: np.ndarray, title: str) -> np.ndarray:
-        if values.shape != self._shape:
-            self._build(values)
-        shown = np.ma.masked_invalid(values)
-        self._image.set_data(shown)
-        finite = values[np.isfinite(values)]
-        if finite.size:
-            self._image.set_clim(finite.min(), max(finite.max(), finite.min() + 1e-12))
-        self._title.set_text(title)
-        self._canvas.draw()
-        return np.asarray(self._canvas.buffer_rgba())[..., :3].copy()
+    def __call__(self, values: np.ndarray, title: str = "") -> np.ndarray:
+        finite = np.isfinite(values)
+        lo = float(values[finite].min()) if finite.any() else 0.0
+        hi = max(float(values[finite].max()), lo + 1e-12) if finite.any() else 1.0
+        rgb = (colormaps["viridis"](np.clip((np.where(finite, values, lo) - lo) / (hi - lo),
+                                            0.0, 1.0))[..., :3] * 255).astype(np.uint8)
+        rgb[~finite] = 0
+        block = max(1, self.target // max(values.shape))
+        return np.repeat(np.repeat(rgb, block, axis=0), block, axis=1)
 
 
 class TensorBoardWriter:

@@ -176,15 +176,26 @@ def test_wandb_config_errors(monkeypatch):
         check_wandb(LoggingConfig(wandb_project="p"))
 
 
-def test_a_reused_heatmap_figure_draws_what_a_fresh_one_draws():
+def test_heatmap_pixels_follow_the_values():
+    """Blocks of pixels per cell, viridis from the array's min (dark) to its max (yellow);
+    a reused Heatmap colours as a fresh one does; non-finite cells are black."""
     rng = np.random.default_rng(2)
     first, second = rng.random((L_MOE, E)), 10 * rng.random((L_MOE, E))
     reused = Heatmap()
     reused(first, "expert_load_fraction, step 1")
     image = reused(second, "expert_load_fraction, step 2")
     assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
-    np.testing.assert_array_equal(image, Heatmap()(second, "expert_load_fraction, step 2"))
-    assert not np.array_equal(image, Heatmap()(first, "expert_load_fraction, step 2"))
+    block = image.shape[0] // L_MOE
+    assert image.shape[:2] == (L_MOE * block, E * block) and block > 1
+    np.testing.assert_array_equal(image, Heatmap()(second))
+    assert not np.array_equal(image, Heatmap()(first))
+    brightness = image[::block, ::block].astype(int).sum(-1)  # one pixel per cell
+    low, high = np.unravel_index(second.argmin(), second.shape), np.unravel_index(
+        second.argmax(), second.shape)
+    assert brightness[low] == brightness.min() and brightness[high] == brightness.max()
+    holes = second.copy()
+    holes[0, 0] = np.nan
+    assert not Heatmap()(holes)[:block, :block].any()
 
 
 def test_wandb_offline_run_writes_its_directory(tmp_path):
