@@ -214,9 +214,11 @@ def test_wandb_offline_run_writes_its_directory(tmp_path):
 
 @pytest.mark.slow
 def test_a_tiny_run_writes_tensorboard_and_events(tmp_path, monkeypatch, capsys):
-    """The real loop (test_guards' fixture, 6 steps): batch 2 has a NaN, so step 3 is
-    skipped; tensorboard/ gets the loop's scalars, events.jsonl the skip."""
-    _, records = _train(tmp_path, monkeypatch, "run", {2: "nan"}, "train.steps=6")
+    """The real loop (test_guards' fixture, 6 steps, its second layer MoE): batch 2 has a NaN,
+    so step 3 is skipped; tensorboard/ gets the loop's scalars and per-layer tags, events.jsonl
+    the skip."""
+    _, records = _train(tmp_path, monkeypatch, "run", {2: "nan"}, "train.steps=6",
+                        "model.num_dense_layers=1")  # layer 1 MoE: per-layer tags
     run = tmp_path / "run"
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     assert [r["tokens_seen"] for r in records] == [512 * s for s in range(1, 7)]  # 16 x 32
@@ -229,6 +231,10 @@ def test_a_tiny_run_writes_tensorboard_and_events(tmp_path, monkeypatch, capsys)
             steps.setdefault(v.tag, set()).add(event.step)
     assert steps["tokens_per_second"] == steps["tokens_seen"] == set(range(1, 7))
     assert steps["loss"] == {1, 2, 4, 5, 6}  # step 3's loss is NaN: null in JSONL, not in TB
+    # the per-layer tags of the loop's own records (1 dense + 1 MoE layer of 8 experts)
+    assert steps["expert_load_fraction/heatmap"] == set(range(1, 7))
+    assert {"router_entropy/layer_00", "load_cv/layer_00", "activation_rms_by_layer/layer_01",
+            "grad_norm_by_group/experts/layer_00", "expert_load_fraction/layer_00"} <= set(steps)
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step 6: loss")]
     assert len(lines) == 1 and " eta 0s" in lines[0] and "tokens 3.07k" in lines[0]
 
