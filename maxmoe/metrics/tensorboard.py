@@ -82,12 +82,12 @@ class Heatmap:
     over the array's finite min..max, non-finite cells black), each cell a block of pixels
     -> uint8 RGB [H, W, 3]. A colormap lookup, not a drawn figure: matplotlib's canvas took
     ~22 ms of the loop's CPU per logged step, which on a CPU backend the step pays for
-    (docs/performance.md, Metric writers). The tag names the array; the title is unused."""
+    (docs/performance.md, Metric writers). The image's tag names the array and step."""
 
     def __init__(self, target_pixels: int = 512):
         self.target = target_pixels  # the longer side is scaled up to about this
 
-    def __call__(self, values: np.ndarray, title: str = "") -> np.ndarray:
+    def __call__(self, values: np.ndarray) -> np.ndarray:
         finite = np.isfinite(values)
         lo = float(values[finite].min()) if finite.any() else 0.0
         hi = max(float(values[finite].max()), lo + 1e-12) if finite.any() else 1.0
@@ -127,7 +127,7 @@ class TensorBoardWriter:
         values += [v for tag, x in flat.histograms.items()
                    for v in histogram(tag, x, bins="auto").value]
         values += [v for key, x in flat.heatmaps.items() for v in image(
-            f"{key}/heatmap", self.heatmap(x, f"{key}, step {step}"), dataformats="HWC").value]
+            f"{key}/heatmap", self.heatmap(x), dataformats="HWC").value]
         self.writer.add_summary(Summary(value=values), step)
 
     def close(self) -> None:

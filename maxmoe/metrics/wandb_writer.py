@@ -50,7 +50,7 @@ class WandbWriter:
         flat = flatten(record)
         data: dict = {"step": step, **flat.scalars}
         data.update({t: self.wandb.Histogram(v) for t, v in flat.histograms.items()})
-        data.update({f"{k}/heatmap": self.wandb.Image(self.heatmap(v, f"{k}, step {step}"))
+        data.update({f"{k}/heatmap": self.wandb.Image(self.heatmap(v))
                      for k, v in flat.heatmaps.items()})
         self.run.log(data)
 

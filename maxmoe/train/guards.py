@@ -222,9 +222,6 @@ class Guard:
                 self.log(message)
                 self.events.emit(step, "warning", message)
 
-    def _event(self, step: int, kind: str, message: str) -> None:
-        self.events.emit(step, kind, message)
-
     def _rows(self, n: int) -> list[int]:
         return self.moe_layers if len(self.moe_layers) == n else list(range(n))
 
@@ -245,7 +242,7 @@ class Guard:
         message = (f"step {step}: expert load max/mean exceeds guard.load_ratio_warn={limit:g} "
                    f"in {where}")
         self.log(f"warning: {message}")
-        self._event(step, "router", message)
+        self.events.emit(step, "router", message)
 
     def _dead_experts(self, step: int, metrics: dict) -> Decision | None:
         """STOP naming the dead experts (guard.router_action=stop), or a warning and a
@@ -260,7 +257,7 @@ class Guard:
         if not dead:
             message = f"step {step}: no dead experts any more"
             self.log(message)
-            self._event(step, "dead_experts", message)
+            self.events.emit(step, "dead_experts", message)
             return None
         message = (f"step {step}: dead experts (no tokens for guard.dead_expert_windows="
                    f"{self.cfg.dead_expert_windows} logging windows): {describe_dead(dead)}")
@@ -270,7 +267,7 @@ class Guard:
                         "guard.router_action=warn")
             return Decision(Action.STOP, message)  # observe() records it as a "stop" event
         self.log(f"warning: {message}")
-        self._event(step, "dead_experts", message)
+        self.events.emit(step, "dead_experts", message)
         return None
 
     def rollback(self, step: int, checkpointer, abstract_state: Any,

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
+from maxmoe.metrics.diagnostics import grad_norms_by_group, update_ratios
 from maxmoe.metrics.router_health import init_window, update_window
 from maxmoe.model.router import RouterBias
 from maxmoe.model.spec import layer_groups, moe_layer_indices
@@ -170,89 +171,6 @@ def writes_metrics(done, cfg: Config):
     if cfg.train.eval_every_steps:
         hit = hit | (done % cfg.train.eval_every_steps == 0)
     return hit
-
-
-def update_ratios(new_params, params) -> jax.Array:
-    """[L] |new - old| / |old| per decoder layer (layer groups in layer order; a group is
-    stacked [L, ...] leaves, or per-layer trees under int keys with model.scan_layers=false),
-    then per MTP depth (its block, projection and norms).
-
-    From the applied change rather than optax's update tree: the update then has one reader
-    (the new params) and XLA fuses it away instead of writing it out and reading it back for
-    these sums (XLA:CPU has no multi-output fusion)."""
-    def ratio(new, old, stacked: bool):
-        def sq(leaves):
-            return sum(jnp.sum(jnp.square(x.astype(jnp.float32)),
-                               axis=tuple(range(int(stacked), x.ndim))) for x in leaves)
-        new, old = jax.tree.leaves(new), jax.tree.leaves(old)
-        u = sq(n.astype(jnp.float32) - o.astype(jnp.float32) for n, o in zip(new, old, strict=True))
-        return jnp.atleast_1d(jnp.sqrt(u / jnp.maximum(sq(old), 1e-30)))
-
-    ratios = []
-    for group in sorted(params["layer_groups"]):
-        new, old = new_params["layer_groups"][group], params["layer_groups"][group]
-        if all(isinstance(k, int) for k in old):  # per-layer trees
-            ratios += [ratio(new[j], old[j], stacked=False) for j in sorted(old)]
-        else:
-            ratios.append(ratio(new, old, stacked=True))
-    for j in sorted(params.get("mtp", {})):
-        ratios.append(ratio(new_params["mtp"][j], params["mtp"][j], stacked=False))
-    return jnp.concatenate(ratios)
-
-
-# grad_norm_by_group: a block's params by the top-level key they sit under (anything else, a
-# group of its own name); a MoE MLP's by MOE_GROUPS, its routed experts (gate, up, down) under
-# "experts"; a dense MLP's all under "dense_mlp"
-BLOCK_GROUPS = {"attn": "attention", "attn_norm": "norms", "mlp_norm": "norms"}
-MOE_GROUPS = {"router": "router", "shared": "shared"}
-MTP_GROUPS = {"embed_norm": "norms", "hidden_norm": "norms", "final_norm": "norms",
-              "projection": "mtp_projection"}
-
-
-def _block_squares(block: dict, stacked: bool) -> dict[str, jax.Array]:
-    """{group: squared gradient norm [n] (stacked [n, ...] leaves) or [1]} of one block."""
-    out: dict[str, jax.Array] = {}
-
-    def add(group: str, tree) -> None:
-        sq = sum(jnp.sum(jnp.square(x.astype(jnp.float32)),
-                         axis=tuple(range(int(stacked), x.ndim))) for x in jax.tree.leaves(tree))
-        out[group] = out.get(group, 0.0) + jnp.atleast_1d(sq)
-
-    for key, sub in block.items():
-        if key == "mlp" and "router" in sub:
-            for name, leaf in sub.items():
-                add(MOE_GROUPS.get(name, "experts"), leaf)
-        else:
-            add("dense_mlp" if key == "mlp" else BLOCK_GROUPS.get(key, key), sub)
-    return out
-
-
-def grad_norms_by_group(grads) -> dict[str, jax.Array]:
-    """Gradient norms per parameter group (README "Metrics"): per-layer groups [n] over the
-    layers that have them, in layer order then MTP depths (attention, norms: [L]; router,
-    experts, shared: [L_moe]; dense_mlp: [L_dense]; mtp_projection: [mtp_depth]), and scalars
-    embedding and head (the LM head and the final norm)."""
-    parts: list[dict[str, jax.Array]] = []
-    for g in sorted(grads["layer_groups"]):
-        group = grads["layer_groups"][g]
-        if all(isinstance(k, int) for k in group):  # model.scan_layers=false
-            parts += [_block_squares(group[j], stacked=False) for j in sorted(group)]
-        else:
-            parts.append(_block_squares(group, stacked=True))
-    for j in sorted(grads.get("mtp", {})):
-        layer = dict(grads["mtp"][j])
-        part = _block_squares(layer.pop("block"), stacked=False)
-        for key, sub in layer.items():
-            group = MTP_GROUPS.get(key, key)
-            sq = jnp.atleast_1d(optax.tree.norm(sub) ** 2)
-            part[group] = part.get(group, 0.0) + sq
-        parts.append(part)
-    names = list(dict.fromkeys(name for part in parts for name in part))
-    out = {name: jnp.sqrt(jnp.concatenate([p[name] for p in parts if name in p]))
-           for name in names}
-    out["embedding"] = optax.tree.norm(grads["embed"])
-    out["head"] = optax.tree.norm({"lm_head": grads["lm_head"], "norm": grads["final_norm"]})
-    return out
 
 
 # how microbatch metrics combine into the step's under gradient accumulation (accumulated)

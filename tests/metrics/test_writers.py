@@ -182,8 +182,8 @@ def test_heatmap_pixels_follow_the_values():
     rng = np.random.default_rng(2)
     first, second = rng.random((L_MOE, E)), 10 * rng.random((L_MOE, E))
     reused = Heatmap()
-    reused(first, "expert_load_fraction, step 1")
-    image = reused(second, "expert_load_fraction, step 2")
+    reused(first)
+    image = reused(second)
     assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
     block = image.shape[0] // L_MOE
     assert image.shape[:2] == (L_MOE * block, E * block) and block > 1

@@ -18,12 +18,12 @@ from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import DEFAULT_RULES, ConfigError, MoEConfig
 from maxmoe.parallel.dispatch import ExpertShards, describe_transport, resolve_transport
-from maxmoe.parallel.experts import routed_experts
 from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.plan.gpu_aot import gpu_devices
 from maxmoe.sharding import make_mesh, named, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
+from tests.parallel.test_dispatch import _loss_and_grads
 
 E, K, D, F, GROUPS = 8, 2, 16, 8, 4
 B, S = 8, 16  # 128 tokens
@@ -43,15 +43,6 @@ def _inputs(worst: bool):
     weights = jax.random.uniform(keys[1], (B, S, K))
     wg, wu = (0.3 * jax.random.normal(k, (E, D, F)) for k in keys[2:4])
     return x, idx, weights, wg, wu, 0.3 * jax.random.normal(keys[4], (E, F, D))
-
-
-def _loss_and_grads(cfg, x, idx, weights, wg, wu, wd):
-    def loss(x, weights, wg, wu, wd):
-        y, stats = routed_experts(x, idx, weights, wg, wu, wd, cfg)
-        return jnp.sum(jnp.sin(y)), (y, stats)
-    (_, (y, stats)), grads = jax.value_and_grad(loss, argnums=range(5), has_aux=True)(
-        x, weights, wg, wu, wd)
-    return y, stats, grads
 
 
 MESHES = {"expert8": dict(data=1, fsdp=1, pipeline=1, expert=8, tensor=1),

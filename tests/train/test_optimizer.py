@@ -122,7 +122,7 @@ def test_update_ratios_of_per_layer_params_equal_the_stacked_ones():
     """scan_layers=false keeps each layer's params apart (int keys under a layer group): the
     same per-layer ratios as from the stacked layout. Reference: the stacked computation,
     which the float64 test above checks; rtol 1e-6 (float32 sums in another order)."""
-    from maxmoe.train.step import update_ratios
+    from maxmoe.metrics.diagnostics import update_ratios
     from tests.helpers import per_layer
 
     rng = np.random.default_rng(0)
