@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer as HFTokenizerModel
 
+from maxmoe.cli import main
 from maxmoe.config import ConfigError, DataConfig
 from maxmoe.data.hf_tokenizer import HFTokenizer
 from maxmoe.data.pipeline import make_dataset
@@ -97,3 +98,28 @@ def test_pretraining_batches_with_hf_tokenizer(hf_tokenizer_dir, tmp_path):
     at_eos = (batch["tokens"] == tokenizer.eos_id) & real
     assert at_eos.any() and not batch["loss_mask"][at_eos].any()
     np.testing.assert_array_equal(batch["loss_mask"], (real & ~at_eos).astype(np.float32))
+
+
+def test_prepare_with_hf_tokenizer_then_train_batches(hf_tokenizer_dir, tmp_path, capsys):
+    """`maxmoe data prepare --tokenizer HF_DIR`: the shards hold that tokenizer's ids, the
+    folder carries the tokenizer, and the pipeline reads it back from there."""
+    rng = random.Random(5)
+    texts = [f"doc {i} " + english(rng, 40) for i in range(60)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    out = tmp_path / "prepared"
+    assert main(["data", "prepare", str(tmp_path / "docs.jsonl"), "--tokenizer",
+                 str(hf_tokenizer_dir), "--out", str(out), "--no-progress", "--workers", "1",
+                 "--no-near-dedup"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokenizer = open_tokenizer(hf_tokenizer_dir)
+    assert manifest["tokenizer"]["file"] == "tokenizer/tokenizer.json"
+    assert manifest["tokenizer"]["vocab_size"] == tokenizer.vocab_size
+    total = sum(len(tokenizer.encode(t)) for t in texts)
+    assert sum(manifest["tokens_written"].values()) == total
+    cfg = DataConfig(source=str(out), seq_len=256, global_batch_size=2, streams=1,
+                     prefetch_batches=1)
+    loaded = load_tokenizer(cfg, tokenizer.vocab_size)  # from the prepared folder
+    assert isinstance(loaded, HFTokenizer) and loaded.chat_template == CHATML_TEMPLATE
+    batch = next(iter(make_dataset(cfg, loaded)))
+    first = batch["tokens"][0][: list(batch["tokens"][0]).index(tokenizer.eos_id)]
+    assert tokenizer.decode(first) in texts
