@@ -99,35 +99,46 @@ def _index(source: str, paths: tuple[str, ...], stamps: tuple) -> tuple[Record, 
     return tuple(records)
 
 
-def list_records(cfg: DataConfig) -> list[Record]:
-    """Every record of cfg.source with a trained turn, in file and line order."""
+def _listing(cfg: DataConfig) -> tuple[str, tuple[str, ...], tuple]:
+    """(source, its files, their sizes and mtimes): what the cached functions below key on."""
     if cfg.source == STDLIB or cfg.mixture.strip():
         fail("data.source", cfg.source, None, "data.format=sft reads JSONL chat records",
              "set data.source to a glob of .jsonl files (and data.mixture='')")
     paths = list_documents(cfg.source)
-    if any(os.path.isdir(p) for p in paths):
-        fail("data.source", cfg.source, None, "names a folder", "use a glob of .jsonl files")
     stamps = tuple((os.path.getsize(p), os.path.getmtime(p)) for p in paths)
-    return list(_index(cfg.source, tuple(paths), stamps))
+    return cfg.source, tuple(paths), stamps
+
+
+def list_records(cfg: DataConfig) -> list[Record]:
+    """Every record of cfg.source with a trained turn, in file and line order."""
+    return list(_index(*_listing(cfg)))
+
+
+@functools.lru_cache(maxsize=4)
+def _split(source: str, paths: tuple[str, ...], stamps: tuple, validation_fraction: float,
+           seed: int) -> tuple[tuple[Record, ...], tuple[Record, ...]]:
+    """(train, validation) records: validation holds those whose (file, line) hashes below
+    the fraction, at least one when there are two or more. Cached: every stream asks."""
+    records = _index(source, paths, stamps)
+    files = sorted({path for path, _, _ in records})
+    keys = dict(zip(files, document_keys(files), strict=True))  # machine-independent names
+    scores = [unit_hash(f"{keys[path]}:{number}", seed) for path, _, number in records]
+    held = {i for i, s in enumerate(scores) if s < validation_fraction}
+    if validation_fraction > 0 and not held and len(records) >= 2:
+        held = {int(np.argmin(scores))}
+    train = tuple(r for i, r in enumerate(records) if i not in held)
+    if not train:
+        fail("data.validation_fraction", validation_fraction, None,
+             f"leaves no training records out of {len(records)}", "lower it")
+    return train, tuple(r for i, r in enumerate(records) if i in held)
 
 
 def records_for(cfg: DataConfig, split: str, process_index: int = 0,
                 process_count: int = 1) -> list[Record]:
     """The records of `split` that process `process_index` of `process_count` reads (strided,
-    so the shares are disjoint); validation holds records whose (file, line) hashes below
-    cfg.validation_fraction, at least one when there are two or more."""
-    records = list_records(cfg)
-    files = sorted({path for path, _, _ in records})
-    keys = dict(zip(files, document_keys(files), strict=True))  # machine-independent names
-    scores = [unit_hash(f"{keys[path]}:{number}", cfg.seed) for path, _, number in records]
-    held = {i for i, s in enumerate(scores) if s < cfg.validation_fraction}
-    if cfg.validation_fraction > 0 and not held and len(records) >= 2:
-        held = {int(np.argmin(scores))}
-    chosen = [r for i, r in enumerate(records) if (i in held) == (split == "validation")]
-    if split == "train" and not chosen:
-        fail("data.validation_fraction", cfg.validation_fraction, None,
-             f"leaves no training records out of {len(records)}", "lower it")
-    return chosen[process_index::process_count]
+    so the shares are disjoint and differ in size by at most one)."""
+    train, validation = _split(*_listing(cfg), cfg.validation_fraction, cfg.seed)
+    return list(train if split == "train" else validation)[process_index::process_count]
 
 
 def check_renders(tokenizer: Tokenizer, record: Record) -> None:
