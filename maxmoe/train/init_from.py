@@ -99,6 +99,13 @@ def check_architecture(cfg: Config, source: InitSource) -> list[str]:
     return warnings
 
 
+def needs_init_from(cfg: Config) -> bool:
+    """Whether the run will read train.init_from: it is set and run.dir has no committed
+    checkpoint steps of its own (those win: the run resumes from them)."""
+    own = Path(cfg.run.dir) / "checkpoints"
+    return bool(cfg.train.init_from) and not any(p.name.isdigit() for p in own.glob("*"))
+
+
 def open_init_source(cfg: Config) -> InitSource:
     """The checkpoint at cfg.train.init_from, its architecture checked against cfg; reads
     config files only. One-line ConfigError for a path that is no checkpoint or a mismatch."""

@@ -7,7 +7,9 @@ Fault tolerance (README "Multi-host launch and fault tolerance"):
   optimizer state are resharded exactly, and the data restarts from the new layout's stream
   with its first `step` batches skipped on every process (not the same rows as before);
 - SIGTERM: every process stops after the same step, saves it and returns with
-  summary["preempted"] = True (the CLI then exits with code 75).
+  summary["preempted"] = True (the CLI then exits with code 75);
+- a run without checkpoints of its own starts from train.init_from's weights where it is set
+  (train/init_from.py); once it has some, resume wins.
 
 Host and device overlap: the loop never waits for a step before it has dispatched
 the next one. While the device runs step N+1 the host reads step N's metrics (guards,
@@ -54,7 +56,7 @@ from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.evaluate import Evaluator, model_tokenizer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
-from maxmoe.train.init_from import InitSource, initial_state, open_init_source
+from maxmoe.train.init_from import InitSource, initial_state, needs_init_from, open_init_source
 from maxmoe.train.profiling import ProfileWindow
 from maxmoe.train.setup import RunSetup, prepare_run
 
@@ -147,11 +149,6 @@ def _open_init(cfg: Config) -> InitSource:
     return init
 
 
-def _has_own_steps(cfg: Config) -> bool:
-    """Whether run.dir holds committed checkpoint steps (then resume wins over init_from)."""
-    return any(p.name.isdigit() for p in (Path(cfg.run.dir) / "checkpoints").glob("*"))
-
-
 def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     """Trains to cfg.train.steps (resuming from the run directory, else starting from
     train.init_from's weights where set); returns a summary.
@@ -159,7 +156,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     plan_cluster = live_cluster(cluster)  # a bad spec fails before the run dir is made
     check_wandb(cfg.logging)  # so does W&B asked for without its package
     # so does a train.init_from that does not match (unless the run's own checkpoints win)
-    init = _open_init(cfg) if cfg.train.init_from and not _has_own_steps(cfg) else None
+    init = _open_init(cfg) if needs_init_from(cfg) else None
     run_dir = _open_run_dir(cfg)
     tokenizer = model_tokenizer(cfg)
     dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),

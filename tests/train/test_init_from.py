@@ -130,7 +130,8 @@ def save_run(run_dir, run, state, step: int):
 def test_run_checkpoint_on_another_mesh_and_layer_layout(tmp_path, converted):
     """A run saved on data=8 (stacked layers, params and router bias moved off the HF values)
     starts runs on fsdp=4 x data=2 per-layer, and that one's checkpoint a stacked fsdp run:
-    every param and bias arrives exactly, placed as the new mesh shards it."""
+    every param and bias arrives exactly, placed as the new mesh shards it. The HF directory
+    read onto the fsdp mesh per-layer gives read_hf's values too."""
     run_a, state = start(run_config(converted / "config.yaml", f"train.init_from={converted}"))
     state = dict(state, params=jax.tree.map(lambda x: x * 1.5 + 0.25, state["params"]),
                  buffers=jax.tree.map(lambda x: x + 0.5, state["buffers"]))
@@ -149,8 +150,9 @@ def test_run_checkpoint_on_another_mesh_and_layer_layout(tmp_path, converted):
     _, state_c = start(run_config(converted / "config.yaml",
                                   f"train.init_from={tmp_path / 'b' / 'checkpoints' / '5'}", *fsdp))
     assert_same(weights(state_c), want)
+    # HF safetensors read shard by shard (fsdp splits the leaves; data replicas share reads)
     _, per_layer_hf = start(run_config(converted / "config.yaml", f"train.init_from={DEEPSEEK}",
-                                       "model.scan_layers=false"))
+                                       "model.scan_layers=false", *fsdp))
     assert_same(weights(per_layer_hf), per_layer(read_hf(DEEPSEEK)[1]))
 
 
@@ -163,11 +165,13 @@ def test_architecture_mismatch_is_one_line_before_anything_runs(tmp_path, conver
             open_init_source(cfg)
         assert len(str(e.value).splitlines()) == 1
         assert str(e.value).startswith(f"config key '{field}'") and "set " + field in str(e.value)
-    code = main(["train", str(converted / "config.yaml"), *EXACT, f"run.dir={tmp_path / 'run'}",
-                 f"train.init_from={converted}", "moe.num_experts=32"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "moe.num_experts" in err[0]
-    assert not (tmp_path / "run").exists()  # failed before the run dir was made
+    for dry_run in ([], ["--dry-run"]):
+        code = main(["train", str(converted / "config.yaml"), *EXACT, *dry_run,
+                     f"run.dir={tmp_path / 'run'}", f"train.init_from={converted}",
+                     "moe.num_experts=32"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "moe.num_experts" in err[0]
+        assert not (tmp_path / "run").exists()  # failed before the run dir was made
     with pytest.raises(ConfigError, match="no such directory"):
         open_init_source(run_config(converted / "config.yaml",
                                     f"train.init_from={tmp_path / 'nowhere'}")[0])
