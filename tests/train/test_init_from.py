@@ -178,18 +178,20 @@ def test_architecture_mismatch_is_one_line_before_anything_runs(tmp_path, conver
 
 
 def test_mtp_depth_zero_drops_the_checkpoints_mtp_weights(tmp_path):
-    """A DeepSeek-V3 hub checkpoint with an MTP layer (two shards, one FP8 weight): a run with
-    mtp_depth=0 loads everything else, with one warning; mtp_depth=2 is a mismatch."""
+    """A DeepSeek-V3 hub checkpoint with an MTP layer (two shards, one FP8 weight), read
+    directly or converted: a run with mtp_depth=0 loads everything else, with one warning;
+    mtp_depth=2 is a mismatch."""
     make_hub_checkpoint_with_mtp_fp8_and_shards(DEEPSEEK, tmp_path / "hub")
     convert_from_hf(tmp_path / "hub", tmp_path / "conv")
     _, want, _, _ = read_hf(tmp_path / "hub")
     del want["mtp"]
-    messages = []
-    _, state = start(run_config(tmp_path / "conv" / "config.yaml", "model.mtp_depth=0",
-                                f"train.init_from={tmp_path / 'hub'}"), messages=messages)
-    assert_same(weights(state), want)
-    assert messages[0] == ("warning: train.init_from: model.mtp_depth=0 drops the checkpoint's 1 "
-                           "MTP depth(s) (their weights are not loaded)")
+    for source in (tmp_path / "hub", tmp_path / "conv"):
+        messages = []
+        _, state = start(run_config(tmp_path / "conv" / "config.yaml", "model.mtp_depth=0",
+                                    f"train.init_from={source}"), messages=messages)
+        assert_same(weights(state), want)
+        assert messages[0] == ("warning: train.init_from: model.mtp_depth=0 drops the "
+                               "checkpoint's 1 MTP depth(s) (their weights are not loaded)")
     cfg, _ = run_config(tmp_path / "conv" / "config.yaml", "model.mtp_depth=2",
                         f"train.init_from={tmp_path / 'hub'}")
     with pytest.raises(ConfigError, match="model.mtp_depth"):
