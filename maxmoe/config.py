@@ -242,6 +242,9 @@ class TrainConfig:
     seed: int = 0  # parameter init seed
     eval_every_steps: int = 0  # validation loss every N steps (ranks checkpoint.keep_best); 0 = off
     eval_batches: int = 4  # validation batches per evaluation
+    # start from these weights (a maxmoe run or converted dir, or an HF model dir); optimizer,
+    # step and data start fresh; ignored once run.dir has its own checkpoints (train/init_from.py)
+    init_from: str = ""
 
 
 @dataclass(frozen=True)

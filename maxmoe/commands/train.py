@@ -51,9 +51,12 @@ def run(args) -> int:
     import jax
 
     from maxmoe.plan.live import dry_run
+    from maxmoe.train.init_from import needs_init_from, open_init_source
     from maxmoe.train.loop import train
 
     if args.dry_run:
+        if needs_init_from(cfg):  # a checkpoint the real run cannot start from fails here too
+            open_init_source(cfg)
         return dry_run(cfg, sizes, args.cluster, sys.stdout)
     t = time.perf_counter()
     summary = train(cfg, sizes, cluster=args.cluster)

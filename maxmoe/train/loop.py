@@ -7,7 +7,9 @@ Fault tolerance (README "Multi-host launch and fault tolerance"):
   optimizer state are resharded exactly, and the data restarts from the new layout's stream
   with its first `step` batches skipped on every process (not the same rows as before);
 - SIGTERM: every process stops after the same step, saves it and returns with
-  summary["preempted"] = True (the CLI then exits with code 75).
+  summary["preempted"] = True (the CLI then exits with code 75);
+- a run without checkpoints of its own starts from train.init_from's weights where it is set
+  (train/init_from.py); once it has some, resume wins.
 
 Host and device overlap: the loop never waits for a step before it has dispatched
 the next one. While the device runs step N+1 the host reads step N's metrics (guards,
@@ -58,6 +60,7 @@ from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.evaluate import Evaluator, model_tokenizer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
+from maxmoe.train.init_from import InitSource, initial_state, needs_init_from, open_init_source
 from maxmoe.train.profiling import ProfileWindow
 from maxmoe.train.setup import RunSetup, prepare_run
 
@@ -109,19 +112,27 @@ def _open_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
-def _resume(ckpt: Checkpointer, trainer, dataset, layout: dict, config_json: dict):
+def _resume(ckpt: Checkpointer, setup: RunSetup, dataset, layout: dict, config_json: dict,
+            init: InitSource | None):
     """(state, start step, data iterator, seconds the restore took or None): the newest
-    checkpoint that reads back, else a fresh state at step 0."""
+    checkpoint that reads back, else a fresh state at step 0 (with train.init_from's weights
+    where it is set; `init`: that checkpoint, if already opened)."""
     t = time.perf_counter()
+    cfg, trainer = setup.cfg, setup.trainer
     resumed = ckpt.resume(trainer.abstract_state, lambda: iter(dataset), layout, config_json)
     for bad in resumed.quarantined if resumed else []:
         log(f"warning: checkpoint step {bad.name} could not be restored (corrupt or "
             f"incomplete); moved it to {bad}")
+    if resumed is None and cfg.train.init_from:
+        init = init or _open_init(cfg)
+        return initial_state(trainer, cfg, init, log), 0, iter(dataset), None
     if resumed is None:
         return trainer.init(), 0, iter(dataset), None
     state, start, data_iter = resumed.state, resumed.step, resumed.data_iterator
     resume_s = time.perf_counter() - t
-    log(f"resumed from {ckpt.directory / str(start)} in {resume_s:.1f}s")
+    ignored = (f"; train.init_from={cfg.train.init_from} not read: the run's own checkpoints "
+               "win" if cfg.train.init_from else "")
+    log(f"resumed from {ckpt.directory / str(start)} in {resume_s:.1f}s{ignored}")
     if not resumed.data_restored:
         # Grain's position is per process and worker: with another layout, continue the
         # new layout's stream after its first `start` batches (see the module docstring)
@@ -134,11 +145,22 @@ def _resume(ckpt: Checkpointer, trainer, dataset, layout: dict, config_json: dic
     return state, start, data_iter, resume_s
 
 
+def _open_init(cfg: Config) -> InitSource:
+    """train.init_from's checkpoint, its architecture checked (ConfigError), warnings logged."""
+    init = open_init_source(cfg)
+    for warning in init.warnings:
+        log(warning)
+    return init
+
+
 def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
-    """Trains to cfg.train.steps (resuming from the run directory); returns a summary.
+    """Trains to cfg.train.steps (resuming from the run directory, else starting from
+    train.init_from's weights where set); returns a summary.
     cluster: the --cluster spec that prices <run.dir>/plan.json (default: the devices' kind)."""
     plan_cluster = live_cluster(cluster)  # a bad spec fails before the run dir is made
     check_wandb(cfg.logging)  # so does W&B asked for without its package
+    # so does a train.init_from that does not match (unless the run's own checkpoints win)
+    init = _open_init(cfg) if needs_init_from(cfg) else None
     run_dir = _open_run_dir(cfg)
     tokenizer = model_tokenizer(cfg)
     if jax.process_index() == 0:  # generate and eval open <run.dir>/tokenizer
@@ -149,7 +171,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     layout, config_json = data_layout(cfg), to_dict(cfg)
     preemption = _Preemption(ckpt)  # from here on, SIGTERM means: save after the next step
-    state, start, data_iter, resume_s = _resume(ckpt, setup.trainer, dataset, layout, config_json)
+    state, start, data_iter, resume_s = _resume(ckpt, setup, dataset, layout, config_json, init)
     total = cfg.train.steps
     shape = " x ".join(f"{k}={v}" for k, v in setup.mesh_shape.items()) or "1 device"
     log(f"mesh {shape}; run dir {run_dir}; steps {start} -> {total}")
