@@ -31,6 +31,8 @@ from collections.abc import Iterator
 import numpy as np
 from jax.sharding import Mesh
 
+from maxmoe.plan.scatter import scattered_parts, use_index
+
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _OPCODE_KIND = {k: k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
 _CALLEE_KEYS = ("calls", "to_apply", "body", "condition", "branch_computations",
@@ -63,6 +65,7 @@ class Instr:
     opcode: str
     operands: list[str]  # as printed: "%name" or "f32[4] %name"
     attrs: str
+    root: bool = False  # the computation's ROOT (its result)
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -130,7 +133,7 @@ def parse_instruction(line: str) -> Instr | None:
         return None
     close = _close(rest, paren)
     return Instr(name, type_, rest[:paren].strip(), _split_top(rest[paren + 1:close]),
-                 rest[close + 1:].lstrip(", "))
+                 rest[close + 1:].lstrip(", "), bool(re.match(r"\s*ROOT\s", line)))
 
 
 def parse_module(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
@@ -286,30 +289,56 @@ _GROUP_FACTOR = {"all-gather": lambda n: n - 1, "reduce-scatter": lambda n: (n -
                  "all-to-all": lambda n: (n - 1) / n, "all-reduce": lambda n: 2 * (n - 1) / n}
 
 
-def _collective(ins: Instr, symbols: dict[str, str], topo: _Topology) -> Bytes:
-    """The mesh-averaged [ici, dcn] bytes one collective instruction sends, keyed by (axis
-    label, kind); empty for anything that is not a collective (or its -done half)."""
-    kind = _OPCODE_KIND.get(ins.opcode.removesuffix("-start"))
+class _Context:
+    """What pricing one instruction needs beyond itself: result shapes by name, the mesh
+    topology, the module's computations and their uses (for `scatter.scattered_parts`)."""
+
+    def __init__(self, comps: dict[str, list[Instr]], topo: _Topology):
+        self.comps, self.topo = comps, topo
+        self.symbols = {ins.name: ins.type for body in comps.values() for ins in body}
+        self.uses = use_index(comps)
+
+
+def _parts(ins: Instr, kind: str, size: float, ctx: _Context, comp: str,
+           n: int) -> list[tuple[str, float]]:
+    """[(kind, operand bytes)] of one collective over groups of n: an all-reduce's parts
+    that are only sliced to 1/n afterwards count as a reduce-scatter (maxmoe/plan/scatter.py),
+    the rest as an all-reduce."""
+    if kind != "all-reduce":
+        return [(kind, size)]
+    scattered = sum(shape_bytes(p) for p in scattered_parts(ctx.comps, ctx.uses, comp, ins, n))
+    scattered = min(scattered, size)
+    return [(k, b) for k, b in (("all-reduce", size - scattered),
+                                ("reduce-scatter", scattered)) if b > 0]
+
+
+def _collective(ins: Instr, ctx: _Context, comp: str) -> Bytes:
+    """The mesh-averaged [ici, dcn] bytes one collective instruction (of computation `comp`)
+    sends, keyed by (axis label, kind); empty for anything that is not a collective (or its
+    -done half)."""
+    kind, topo = _OPCODE_KIND.get(ins.opcode.removesuffix("-start")), ctx.topo
     if kind is None:
         return {}
-    size, link = _operand_bytes(ins, symbols), np.zeros(2)
+    size = _operand_bytes(ins, ctx.symbols)
     if kind == "collective-permute":
+        link = np.zeros(2)
         pairs = [(s, t) for s, t in source_target_pairs(ins.attrs) if s != t]
         for s, t in pairs:
             link[0 if topo.host[s] == topo.host[t] else 1] += size
         label = topo.label(pairs) if pairs else ""
-    else:
-        groups = [g for g in replica_groups(ins.attrs, topo.size) if len(g) > 1]
-        labels = []
-        for n in sorted({len(g) for g in groups}):  # one array per group size
-            ids = np.array([g for g in groups if len(g) == n])
-            hosts = topo.host[ids]
-            same = (hosts[:, :, None] == hosts[:, None, :]).sum(-1)  # own-host members
-            per_device = _GROUP_FACTOR[kind](n) * size / (n - 1)
-            link += per_device * np.array([np.sum(same - 1), np.sum(n - same)])
-            labels.append(topo.label(ids))
-        label = topo.union_label(labels)
-    return {(label, kind): link / topo.size} if label and link.sum() > 0 else {}
+        return {(label, kind): link / topo.size} if label and link.sum() > 0 else {}
+    groups = [g for g in replica_groups(ins.attrs, topo.size) if len(g) > 1]
+    labels, links = [], {}
+    for n in sorted({len(g) for g in groups}):  # one array per group size
+        ids = np.array([g for g in groups if len(g) == n])
+        hosts = topo.host[ids]
+        same = (hosts[:, :, None] == hosts[:, None, :]).sum(-1)  # own-host members
+        split = np.array([np.sum(same - 1), np.sum(n - same)]) / (n - 1)
+        for part, part_size in _parts(ins, kind, size, ctx, comp, n):
+            links[part] = links.get(part, np.zeros(2)) + _GROUP_FACTOR[part](n) * part_size * split
+        labels.append(topo.label(ids))
+    label = topo.union_label(labels)
+    return {(label, k): v / topo.size for k, v in links.items() if label and v.sum() > 0}
 
 
 def _callees(ins: Instr) -> list[str]:
@@ -327,16 +356,16 @@ def _add(into: Bytes, other: Bytes, times: float = 1.0) -> None:
         into[key] = into.get(key, np.zeros(2)) + times * v
 
 
-def _walk(comps: dict[str, list[Instr]], symbols: dict[str, str], topo: _Topology,
-          warnings: list[str]):
+def _walk(ctx: _Context, warnings: list[str]):
     """cost(computation) -> Bytes of one execution of it, loops and callees included."""
 
     @functools.cache
     def cost(name: str) -> Bytes:
         total: Bytes = {}
+        comps = ctx.comps
         for ins in comps[name]:
             try:
-                _add(total, _collective(ins, symbols, topo))
+                _add(total, _collective(ins, ctx, name))
             except (ValueError, KeyError) as e:
                 warnings.append(f"{ins.opcode} {ins.name}: not counted ({e})")
             if ins.opcode.endswith(("-done", "-update")):
@@ -369,9 +398,8 @@ def collective_bytes(hlo_text: str, mesh: Mesh, devices_per_host: int) -> CommBy
     mesh.devices.flat[i]); devices_per_host: a device's host is its id // devices_per_host.
     """
     comps, entry = parse_module(hlo_text)
-    symbols = {ins.name: ins.type for body in comps.values() for ins in body}
     warnings: list[str] = []
-    total = _walk(comps, symbols, _Topology(mesh, devices_per_host), warnings)(entry)
+    total = _walk(_Context(comps, _Topology(mesh, devices_per_host)), warnings)(entry)
     by_axis: dict[str, dict[str, dict[str, float]]] = {}
     for (label, kind), (ici, dcn) in sorted(total.items()):
         by_axis.setdefault(label, {})[kind] = {"ici": float(ici), "dcn": float(dcn)}
