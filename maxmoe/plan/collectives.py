@@ -31,15 +31,13 @@ from collections.abc import Iterator
 import numpy as np
 from jax.sharding import Mesh
 
+from maxmoe.plan.hlo import Instr, close_bracket, parse_module, shape_bytes
 from maxmoe.plan.scatter import scattered_parts, use_index
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _OPCODE_KIND = {k: k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
 _CALLEE_KEYS = ("calls", "to_apply", "body", "condition", "branch_computations",
                 "true_computation", "false_computation", "called_computations")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([<=\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 Bytes = dict[tuple[str, str], np.ndarray]  # (axis label, kind) -> [ici, dcn]
@@ -56,103 +54,6 @@ class CommBytes:
     def total(self, link: str) -> float:
         """All bytes over `link` ("ici" or "dcn")."""
         return sum(v[link] for kinds in self.by_axis.values() for v in kinds.values())
-
-
-@dataclasses.dataclass(frozen=True)
-class Instr:
-    name: str
-    type: str  # result shape text, e.g. "f32[4,8]{1,0}" or a tuple "(f32[4], s32[])"
-    opcode: str
-    operands: list[str]  # as printed: "%name" or "f32[4] %name"
-    attrs: str
-    root: bool = False  # the computation's ROOT (its result)
-
-
-def dtype_bytes(dtype: str) -> float:
-    """Bytes of one element of an HLO primitive type (pred 1, bf16 2, s4 0.5, c64 8...)."""
-    if dtype == "pred":
-        return 1.0
-    if dtype in ("token", "opaque"):
-        return 0.0
-    m = re.match(r"[a-z]+?(\d+)", dtype)
-    if not m:
-        raise ValueError(f"unknown HLO element type {dtype!r}")
-    return int(m.group(1)) / 8
-
-
-def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO shape text (arrays and tuples; layouts and comments ignored)."""
-    total = 0.0
-    for dtype, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape)):
-        sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d]
-        total += dtype_bytes(dtype) * int(np.prod(sizes, dtype=np.int64))
-    return total
-
-
-def _split_top(text: str, sep: str = ",") -> list[str]:
-    """Splits at `sep` outside (), [], {}."""
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == sep and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur).strip())
-    return out
-
-
-def _close(text: str, start: int) -> int:
-    """Index of the bracket closing the one at text[start]."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "([{":
-            depth += 1
-        elif text[i] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError(f"unbalanced brackets in HLO: {text[:120]!r}")
-
-
-def parse_instruction(line: str) -> Instr | None:
-    """One HLO instruction line -> Instr; None for anything else."""
-    m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))
-    if not m:
-        return None
-    name, rest = m.group(1), m.group(2).strip()
-    end = _close(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
-    type_, rest = rest[:end], rest[end:].strip()
-    paren = rest.find("(")
-    if paren < 0:
-        return None
-    close = _close(rest, paren)
-    return Instr(name, type_, rest[:paren].strip(), _split_top(rest[paren + 1:close]),
-                 rest[close + 1:].lstrip(", "), bool(re.match(r"\s*ROOT\s", line)))
-
-
-def parse_module(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
-    """HLO module text -> ({computation: instructions}, entry computation name)."""
-    comps: dict[str, list[Instr]] = {}
-    entry, current = "", None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header and not line.startswith(" "):
-            current = header.group(2)
-            comps[current] = []
-            entry = current if header.group(1) else entry
-        elif line.strip() == "}":
-            current = None
-        elif current is not None and (ins := parse_instruction(line)):
-            comps[current].append(ins)
-    if not entry:
-        raise ValueError("HLO text has no ENTRY computation")
-    return comps, entry
 
 
 def _iota(text: str) -> np.ndarray:
@@ -174,11 +75,11 @@ def _attr(attrs: str, key: str) -> str | None:
         return None
     i = m.end()
     if attrs[i] in "{[(":
-        end = _close(attrs, i) + 1
+        end = close_bracket(attrs, i) + 1
         if attrs[i] == "[" and attrs[end:end + 2] == "<=":  # iota form [G,N]<=[dims]T(perm)
-            end = _close(attrs, end + 2) + 1
+            end = close_bracket(attrs, end + 2) + 1
             if attrs[end:end + 2] == "T(":
-                end = _close(attrs, end + 1) + 1
+                end = close_bracket(attrs, end + 1) + 1
         return attrs[i:end]
     return re.match(r"[^,\s]+", attrs[i:]).group(0)
 
@@ -195,17 +96,17 @@ def _mesh_groups(attrs: str) -> list[list[int]]:
     """The mesh-axes form: `replica_groups=mesh['a'=2,'b'=4], device_ids=(...) {'b'}` (or a
     sub-axis `'b':(pre)size`): groups are the devices that differ only along those axes."""
     start = attrs.index("replica_groups=mesh[") + len("replica_groups=mesh")
-    end = _close(attrs, start)
+    end = close_bracket(attrs, start)
     axes = re.findall(r"'([^']+)'=(\d+)", attrs[start:end])
     names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
     rest = attrs[end + 1:]
     ids = np.arange(int(np.prod(sizes)))
     dev = re.match(r"\s*,\s*device_ids=\(", rest)
     if dev:
-        close = _close(rest, dev.end() - 1)
+        close = close_bracket(rest, dev.end() - 1)
         ids, rest = _device_list(rest[dev.end():close]), rest[close + 1:]
     brace = rest.index("{")
-    refs = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", rest[brace:_close(rest, brace)])
+    refs = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", rest[brace:close_bracket(rest, brace)])
     dims: list[int] = []
     grouped: list[int] = []
     for axis, size in zip(names, sizes, strict=True):

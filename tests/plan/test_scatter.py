@@ -72,11 +72,18 @@ LITERAL = """HloModule m
   ROOT %t = f32[16,64]{0,1} transpose(%ds), dimensions={1,0}
 }
 
-ENTRY %main (g: f32[64,128], h: f32[256], k: f32[64,128], w: f32[64,128]) -> (f32[16,64], f32[256], f32[1024], f32[64,32]) {
+%to_bf16 (q: f32[64,128]) -> bf16[64,128] {
+  %q = f32[64,128]{1,0} parameter(0)
+  ROOT %cv = bf16[64,128]{1,0} convert(%q)
+}
+
+ENTRY %main (g: f32[64,128], h: f32[256], k: f32[64,128], w: f32[64,128], u: f32[64,128], v: f32[64,128]) -> (f32[16,64], f32[256], f32[1024], f32[64,32], bf16[8,128], bf16[64,128]) {
   %g = f32[64,128]{1,0} parameter(0)
   %h = f32[256]{0} parameter(1)
   %k = f32[64,128]{1,0} parameter(2)
   %w = f32[64,128]{1,0} parameter(3)
+  %u = f32[64,128]{1,0} parameter(4)
+  %v = f32[64,128]{1,0} parameter(5)
   %pid = u32[] partition-id()
   %ar = (f32[64,128]{1,0}, f32[256]{0}) all-reduce(%g, %h), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
   %g0 = f32[64,128]{1,0} get-tuple-element(%ar), index=0
@@ -88,19 +95,28 @@ ENTRY %main (g: f32[64,128], h: f32[256], k: f32[64,128], w: f32[64,128]) -> (f3
   %sl = f32[1024]{0} slice(%bc), slice={[0:1024]}
   %ar2 = f32[64,128]{1,0} all-reduce(%w), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
   %quarter = f32[64,32]{1,0} slice(%ar2), slice={[0:64], [0:32]}
-  ROOT %out = (f32[16,64]{0,1}, f32[256]{0}, f32[1024]{0}, f32[64,32]{1,0}) tuple(%f, %g1, %sl, %quarter)
+  %ar3 = f32[64,128]{1,0} all-reduce(%u), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  %c3 = bf16[64,128]{1,0} fusion(%ar3), kind=kLoop, calls=%to_bf16
+  %ar4 = bf16[64,128]{1,0} all-reduce(%c3), channel_id=5, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  %eighth = bf16[8,128]{1,0} slice(%ar4), slice={[0:8], [0:128]}
+  %ar5 = f32[64,128]{1,0} all-reduce(%v), channel_id=6, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  %c5 = bf16[64,128]{1,0} fusion(%ar5), kind=kLoop, calls=%to_bf16
+  ROOT %out = (f32[16,64]{0,1}, f32[256]{0}, f32[1024]{0}, f32[64,32]{1,0}, bf16[8,128]{1,0}, bf16[64,128]{1,0}) tuple(%f, %g1, %sl, %quarter, %eighth, %c5)
 }
 """
 
 
-def test_literal_tuple_async_and_oversized_slices():
+def test_literal_tuples_async_fusion_results_chains_and_oversized_slices():
     # %ar: element 0 only reaches a 1/8 dynamic-slice inside a fusion (reduce-scatter),
     # element 1 is returned whole (all-reduce). %st/%dn: an async all-reduce kept to 1/8 by a
     # slice after a bitcast (reduce-scatter). %ar2: a slice
-    # keeping 1/4 of 8 devices' reduction is more than one shard (all-reduce).
+    # keeping 1/4 of 8 devices' reduction is more than one shard (all-reduce). %ar3: its
+    # fusion's result (a bfloat16 copy) goes into %ar4, whose result is sliced to 1/8: both
+    # are reduce-scatters (%ar4 of a bfloat16 buffer). %ar5: its fusion's result is returned
+    # whole (all-reduce).
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
     block = 64 * 128 * F32
     got = _kinds(collective_bytes(LITERAL, mesh, devices_per_host=8))
     assert got == {
-        ("x", "reduce-scatter"): pytest.approx(7 / 8 * (block + block), rel=1e-9),
-        ("x", "all-reduce"): pytest.approx(2 * 7 / 8 * (256 * F32 + block), rel=1e-9)}
+        ("x", "reduce-scatter"): pytest.approx(7 / 8 * (3 * block + block / 2), rel=1e-9),
+        ("x", "all-reduce"): pytest.approx(2 * 7 / 8 * (256 * F32 + 2 * block), rel=1e-9)}
