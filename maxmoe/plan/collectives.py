@@ -31,13 +31,13 @@ from collections.abc import Iterator
 import numpy as np
 from jax.sharding import Mesh
 
+from maxmoe.plan.hlo import Instr, close_bracket, parse_module, shape_bytes
+from maxmoe.plan.scatter import scattered_parts, use_index
+
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _OPCODE_KIND = {k: k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
 _CALLEE_KEYS = ("calls", "to_apply", "body", "condition", "branch_computations",
                 "true_computation", "false_computation", "called_computations")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([<=\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 Bytes = dict[tuple[str, str], np.ndarray]  # (axis label, kind) -> [ici, dcn]
@@ -54,102 +54,6 @@ class CommBytes:
     def total(self, link: str) -> float:
         """All bytes over `link` ("ici" or "dcn")."""
         return sum(v[link] for kinds in self.by_axis.values() for v in kinds.values())
-
-
-@dataclasses.dataclass(frozen=True)
-class Instr:
-    name: str
-    type: str  # result shape text, e.g. "f32[4,8]{1,0}" or a tuple "(f32[4], s32[])"
-    opcode: str
-    operands: list[str]  # as printed: "%name" or "f32[4] %name"
-    attrs: str
-
-
-def dtype_bytes(dtype: str) -> float:
-    """Bytes of one element of an HLO primitive type (pred 1, bf16 2, s4 0.5, c64 8...)."""
-    if dtype == "pred":
-        return 1.0
-    if dtype in ("token", "opaque"):
-        return 0.0
-    m = re.match(r"[a-z]+?(\d+)", dtype)
-    if not m:
-        raise ValueError(f"unknown HLO element type {dtype!r}")
-    return int(m.group(1)) / 8
-
-
-def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO shape text (arrays and tuples; layouts and comments ignored)."""
-    total = 0.0
-    for dtype, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape)):
-        sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d]
-        total += dtype_bytes(dtype) * int(np.prod(sizes, dtype=np.int64))
-    return total
-
-
-def _split_top(text: str, sep: str = ",") -> list[str]:
-    """Splits at `sep` outside (), [], {}."""
-    out, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == sep and depth == 0:
-            out.append("".join(cur).strip())
-            cur = []
-        else:
-            cur.append(ch)
-    if "".join(cur).strip():
-        out.append("".join(cur).strip())
-    return out
-
-
-def _close(text: str, start: int) -> int:
-    """Index of the bracket closing the one at text[start]."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "([{":
-            depth += 1
-        elif text[i] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError(f"unbalanced brackets in HLO: {text[:120]!r}")
-
-
-def parse_instruction(line: str) -> Instr | None:
-    """One HLO instruction line -> Instr; None for anything else."""
-    m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))
-    if not m:
-        return None
-    name, rest = m.group(1), m.group(2).strip()
-    end = _close(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
-    type_, rest = rest[:end], rest[end:].strip()
-    paren = rest.find("(")
-    if paren < 0:
-        return None
-    close = _close(rest, paren)
-    return Instr(name, type_, rest[:paren].strip(), _split_top(rest[paren + 1:close]),
-                 rest[close + 1:].lstrip(", "))
-
-
-def parse_module(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
-    """HLO module text -> ({computation: instructions}, entry computation name)."""
-    comps: dict[str, list[Instr]] = {}
-    entry, current = "", None
-    for line in hlo_text.splitlines():
-        header = _HEADER.match(line)
-        if header and not line.startswith(" "):
-            current = header.group(2)
-            comps[current] = []
-            entry = current if header.group(1) else entry
-        elif line.strip() == "}":
-            current = None
-        elif current is not None and (ins := parse_instruction(line)):
-            comps[current].append(ins)
-    if not entry:
-        raise ValueError("HLO text has no ENTRY computation")
-    return comps, entry
 
 
 def _iota(text: str) -> np.ndarray:
@@ -171,11 +75,11 @@ def _attr(attrs: str, key: str) -> str | None:
         return None
     i = m.end()
     if attrs[i] in "{[(":
-        end = _close(attrs, i) + 1
+        end = close_bracket(attrs, i) + 1
         if attrs[i] == "[" and attrs[end:end + 2] == "<=":  # iota form [G,N]<=[dims]T(perm)
-            end = _close(attrs, end + 2) + 1
+            end = close_bracket(attrs, end + 2) + 1
             if attrs[end:end + 2] == "T(":
-                end = _close(attrs, end + 1) + 1
+                end = close_bracket(attrs, end + 1) + 1
         return attrs[i:end]
     return re.match(r"[^,\s]+", attrs[i:]).group(0)
 
@@ -192,17 +96,17 @@ def _mesh_groups(attrs: str) -> list[list[int]]:
     """The mesh-axes form: `replica_groups=mesh['a'=2,'b'=4], device_ids=(...) {'b'}` (or a
     sub-axis `'b':(pre)size`): groups are the devices that differ only along those axes."""
     start = attrs.index("replica_groups=mesh[") + len("replica_groups=mesh")
-    end = _close(attrs, start)
+    end = close_bracket(attrs, start)
     axes = re.findall(r"'([^']+)'=(\d+)", attrs[start:end])
     names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
     rest = attrs[end + 1:]
     ids = np.arange(int(np.prod(sizes)))
     dev = re.match(r"\s*,\s*device_ids=\(", rest)
     if dev:
-        close = _close(rest, dev.end() - 1)
+        close = close_bracket(rest, dev.end() - 1)
         ids, rest = _device_list(rest[dev.end():close]), rest[close + 1:]
     brace = rest.index("{")
-    refs = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", rest[brace:_close(rest, brace)])
+    refs = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", rest[brace:close_bracket(rest, brace)])
     dims: list[int] = []
     grouped: list[int] = []
     for axis, size in zip(names, sizes, strict=True):
@@ -286,30 +190,56 @@ _GROUP_FACTOR = {"all-gather": lambda n: n - 1, "reduce-scatter": lambda n: (n -
                  "all-to-all": lambda n: (n - 1) / n, "all-reduce": lambda n: 2 * (n - 1) / n}
 
 
-def _collective(ins: Instr, symbols: dict[str, str], topo: _Topology) -> Bytes:
-    """The mesh-averaged [ici, dcn] bytes one collective instruction sends, keyed by (axis
-    label, kind); empty for anything that is not a collective (or its -done half)."""
-    kind = _OPCODE_KIND.get(ins.opcode.removesuffix("-start"))
+class _Context:
+    """What pricing one instruction needs beyond itself: result shapes by name, the mesh
+    topology, the module's computations and their uses (for `scatter.scattered_parts`)."""
+
+    def __init__(self, comps: dict[str, list[Instr]], topo: _Topology):
+        self.comps, self.topo = comps, topo
+        self.symbols = {ins.name: ins.type for body in comps.values() for ins in body}
+        self.uses = use_index(comps)
+
+
+def _parts(ins: Instr, kind: str, size: float, ctx: _Context, comp: str,
+           n: int) -> list[tuple[str, float]]:
+    """[(kind, operand bytes)] of one collective over groups of n: an all-reduce's parts
+    that are only sliced to 1/n afterwards count as a reduce-scatter (maxmoe/plan/scatter.py),
+    the rest as an all-reduce."""
+    if kind != "all-reduce":
+        return [(kind, size)]
+    scattered = sum(shape_bytes(p) for p in scattered_parts(ctx.comps, ctx.uses, comp, ins, n))
+    scattered = min(scattered, size)
+    return [(k, b) for k, b in (("all-reduce", size - scattered),
+                                ("reduce-scatter", scattered)) if b > 0]
+
+
+def _collective(ins: Instr, ctx: _Context, comp: str) -> Bytes:
+    """The mesh-averaged [ici, dcn] bytes one collective instruction (of computation `comp`)
+    sends, keyed by (axis label, kind); empty for anything that is not a collective (or its
+    -done half)."""
+    kind, topo = _OPCODE_KIND.get(ins.opcode.removesuffix("-start")), ctx.topo
     if kind is None:
         return {}
-    size, link = _operand_bytes(ins, symbols), np.zeros(2)
+    size = _operand_bytes(ins, ctx.symbols)
     if kind == "collective-permute":
+        link = np.zeros(2)
         pairs = [(s, t) for s, t in source_target_pairs(ins.attrs) if s != t]
         for s, t in pairs:
             link[0 if topo.host[s] == topo.host[t] else 1] += size
         label = topo.label(pairs) if pairs else ""
-    else:
-        groups = [g for g in replica_groups(ins.attrs, topo.size) if len(g) > 1]
-        labels = []
-        for n in sorted({len(g) for g in groups}):  # one array per group size
-            ids = np.array([g for g in groups if len(g) == n])
-            hosts = topo.host[ids]
-            same = (hosts[:, :, None] == hosts[:, None, :]).sum(-1)  # own-host members
-            per_device = _GROUP_FACTOR[kind](n) * size / (n - 1)
-            link += per_device * np.array([np.sum(same - 1), np.sum(n - same)])
-            labels.append(topo.label(ids))
-        label = topo.union_label(labels)
-    return {(label, kind): link / topo.size} if label and link.sum() > 0 else {}
+        return {(label, kind): link / topo.size} if label and link.sum() > 0 else {}
+    groups = [g for g in replica_groups(ins.attrs, topo.size) if len(g) > 1]
+    labels, links = [], {}
+    for n in sorted({len(g) for g in groups}):  # one array per group size
+        ids = np.array([g for g in groups if len(g) == n])
+        hosts = topo.host[ids]
+        same = (hosts[:, :, None] == hosts[:, None, :]).sum(-1)  # own-host members
+        split = np.array([np.sum(same - 1), np.sum(n - same)]) / (n - 1)
+        for part, part_size in _parts(ins, kind, size, ctx, comp, n):
+            links[part] = links.get(part, np.zeros(2)) + _GROUP_FACTOR[part](n) * part_size * split
+        labels.append(topo.label(ids))
+    label = topo.union_label(labels)
+    return {(label, k): v / topo.size for k, v in links.items() if label and v.sum() > 0}
 
 
 def _callees(ins: Instr) -> list[str]:
@@ -327,16 +257,16 @@ def _add(into: Bytes, other: Bytes, times: float = 1.0) -> None:
         into[key] = into.get(key, np.zeros(2)) + times * v
 
 
-def _walk(comps: dict[str, list[Instr]], symbols: dict[str, str], topo: _Topology,
-          warnings: list[str]):
+def _walk(ctx: _Context, warnings: list[str]):
     """cost(computation) -> Bytes of one execution of it, loops and callees included."""
 
     @functools.cache
     def cost(name: str) -> Bytes:
         total: Bytes = {}
+        comps = ctx.comps
         for ins in comps[name]:
             try:
-                _add(total, _collective(ins, symbols, topo))
+                _add(total, _collective(ins, ctx, name))
             except (ValueError, KeyError) as e:
                 warnings.append(f"{ins.opcode} {ins.name}: not counted ({e})")
             if ins.opcode.endswith(("-done", "-update")):
@@ -369,9 +299,8 @@ def collective_bytes(hlo_text: str, mesh: Mesh, devices_per_host: int) -> CommBy
     mesh.devices.flat[i]); devices_per_host: a device's host is its id // devices_per_host.
     """
     comps, entry = parse_module(hlo_text)
-    symbols = {ins.name: ins.type for body in comps.values() for ins in body}
     warnings: list[str] = []
-    total = _walk(comps, symbols, _Topology(mesh, devices_per_host), warnings)(entry)
+    total = _walk(_Context(comps, _Topology(mesh, devices_per_host)), warnings)(entry)
     by_axis: dict[str, dict[str, dict[str, float]]] = {}
     for (label, kind), (ici, dcn) in sorted(total.items()):
         by_axis.setdefault(label, {})[kind] = {"ici": float(ici), "dcn": float(dcn)}

@@ -34,7 +34,8 @@ from maxmoe.config import ConfigError, load_config
 from maxmoe.kernels.attention import cudnn_takes
 from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
-from maxmoe.plan.collectives import collective_bytes, dtype_bytes
+from maxmoe.plan.collectives import collective_bytes
+from maxmoe.plan.hlo import dtype_bytes
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
 from maxmoe.validation import validate

@@ -20,6 +20,7 @@ import numpy as np
 from maxmoe.config import MESH_AXES, Config, ConfigError
 from maxmoe.metrics.flops import flops_per_token
 from maxmoe.model.spec import layer_groups, pipeline_idle, pipeline_schedule
+from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
 from maxmoe.plan.cluster import Cluster
 from maxmoe.plan.estimate import state_bytes
@@ -198,14 +199,16 @@ def transport(cfg: Config, layout: Layout) -> str:
 
 def moe_rows(cfg: Config, layout: Layout, t: float) -> float:
     """Rows one device's expert shard receives per MoE layer for `t` local tokens: the expert
-    axis's every token (all_gather), or c T K slots (all_to_all at buffer factor c, capacity at
-    the capacity factor)."""
+    axis's every token (all_gather), c T K slots (all_to_all at buffer factor c), or capacity
+    mode's [E, C] slot buffer (C = capacity_for's slots per sequence x the t / seq_len local
+    sequences, parallel/capacity.py)."""
     e, ep = cfg.moe, layout.sizes["expert"]
     how = transport(cfg, layout)
     if how == "all_gather":
         return t * ep
-    factor = e.capacity_factor if how == "capacity" else e.transport_buffer_factor
-    return factor * t * e.experts_per_token
+    if how == "capacity":
+        return e.num_experts * t / cfg.data.seq_len * capacity_for(cfg.data.seq_len, e)
+    return e.transport_buffer_factor * t * e.experts_per_token
 
 
 def activation_bytes(cfg: Config, layout: Layout) -> float:

@@ -25,9 +25,7 @@ config keys that differ, and moves nothing.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -42,6 +40,11 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from maxmoe.config import CheckpointConfig, ConfigError
+from maxmoe.train.checkpoint_handlers import (
+    IteratorSnapshot,
+    register_array_handler,
+    restore_iterator,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,39 +61,6 @@ class Resumed:
     data_iterator: Any  # moved to the saved position if data_restored, else fresh
     data_restored: bool  # False: no iterator state, or saved for another data layout
     quarantined: list[Path]  # step directories that failed to restore and were moved aside
-
-
-class _IteratorSnapshot:
-    """A Grain iterator's position frozen at creation, in the form Grain's handler writes."""
-
-    def __init__(self, iterator: Any):
-        state = iterator.get_state()  # DataLoader iterators give bytes, datasets a dict
-        self._state = state if isinstance(state, bytes) else json.dumps(state, indent=4).encode()
-
-    def get_state(self) -> bytes:
-        return self._state
-
-
-def _restore_iterator(iterator: Any, directory: Path) -> None:
-    """Grain's CheckpointRestore, minus its JSON trap: packing states hold tuples.
-
-    grain 0.2.18's concat-then-split packing compares `remainder_slices` with the tuple
-    (-1, -1); after a JSON round trip they are lists, it believes a remainder is pending
-    and resumes a few rows off. Tuples are put back here.
-    """
-    path = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-    text = path.read_text()
-    if not isinstance(iterator, grain.DatasetIterator):
-        iterator.set_state(text.encode())  # DataLoader iterators take their bytes back
-        return
-
-    def tuples(obj: dict) -> dict:
-        if isinstance(obj.get("remainder_slices"), dict):
-            obj["remainder_slices"] = {k: tuple(v) if isinstance(v, list) else v
-                                       for k, v in obj["remainder_slices"].items()}
-        return obj
-
-    iterator.set_state(json.loads(text, object_hook=tuples))
 
 
 def _eval_loss(metrics: dict) -> float:
@@ -131,47 +101,6 @@ def abstract_like(tree: Any, shardings: Any = None) -> Any:
                         tree, shardings)
 
 
-class _ArrayHandler(ocp.type_handlers.ArrayHandler):
-    """Orbax's jax.Array handler, except that a restore that fails lets its other reads end.
-
-    Orbax gathers the reads of all arrays in an event loop that it closes as soon as one read
-    fails (a corrupt step). The reads still in flight then finish into the closed loop, and
-    each prints a traceback ("RuntimeError: Event loop is closed", "Exception ignored in
-    <coroutine _read_array_index_and_device_put>") around resume's one-line warning. The
-    train state is all jax.Arrays, so every read of a restore runs under this handler.
-    """
-
-    async def deserialize(self, infos, args=None):
-        before = asyncio.all_tasks()
-        try:
-            return await super().deserialize(infos, args)
-        except Exception:
-            # every task started since `before` is a read of this call: none awaits us
-            while stragglers := [t for t in asyncio.all_tasks() - before
-                                 if t is not asyncio.current_task() and not t.done()]:
-                await asyncio.gather(*stragglers, return_exceptions=True)
-            raise
-
-
-def _register_array_handler() -> None:
-    """Restores and saves jax.Arrays with `_ArrayHandler`; in a single process, each shard
-    is written whole instead of in replica-parallel parts.
-
-    Orbax defaults to replica-parallel saving off GPU: every replica of a replicated array
-    saves 1/R of it, cut out with an eager `lax.slice_in_dim` per replica, which compiles
-    once per shape. That spreads writes over hosts in a multi-host job, but with all replicas
-    in one process (fake CPU devices) it only costs: the first save of `configs/tiny.yaml`
-    compiled ~150 slices while blocking the train loop. Multi-process jobs keep Orbax's
-    default."""
-    current = ocp.type_handlers.get_type_handler(jax.Array)
-    if isinstance(current, _ArrayHandler):
-        return
-    ocp.type_handlers.register_type_handler(jax.Array, _ArrayHandler(
-        use_replica_parallel=False if jax.process_count() == 1 else None,
-        array_metadata_store=current._array_metadata_store),  # Orbax 0.12: no public getter
-        override=True)
-
-
 class Checkpointer:
     """Saves every `cfg.every_steps` steps, keeps the `cfg.keep` newest (plus the
     `cfg.keep_best` lowest eval losses), restores with resharding.
@@ -205,7 +134,7 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_save,
             create=True,
         )
-        _register_array_handler()
+        register_array_handler()
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -237,7 +166,7 @@ class Checkpointer:
         if data_iterator is not None:
             # Orbax may run Grain's handler later in its background thread, when the live
             # iterator has moved on: hand it the position as of now.
-            args[DATA] = grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_iterator))
+            args[DATA] = grain.checkpoint.CheckpointSave(IteratorSnapshot(data_iterator))
         if config is not None:
             args[CONFIG] = ocp.args.JsonSave(config)
         if meta is not None:
@@ -273,7 +202,7 @@ class Checkpointer:
                                  "state; restore without data_iterator")
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         if data_iterator is not None:
-            _restore_iterator(data_iterator, self.directory / str(step) / DATA)
+            restore_iterator(data_iterator, self.directory / str(step) / DATA)
         log.info("restored checkpoint step %d from %s", step, self.directory)
         return restored[STATE], step
 
@@ -292,16 +221,14 @@ class Checkpointer:
         from `config` where the step saved its config; None if the layouts agree or the
         metadata cannot be read (restore then reports the step)."""
         try:
-            handler = ocp.StandardCheckpointHandler()
-            saved = _shapes(handler.metadata(self.directory / str(step) / STATE).tree)
+            saved = _saved_shapes(self.directory / str(step))
         except Exception:  # noqa: BLE001 - unreadable metadata: a corrupt step, not a layout
             return None
         want = _shapes(abstract_state)
         if saved == want:
             return None
         params_first = sorted(saved.keys() | want.keys(), key=lambda k: (k[:7] != "params/", k))
-        diffs = [f"{k}: saved {saved.get(k, 'absent')}, now {want.get(k, 'absent')}"
-                 for k in params_first if saved.get(k) != want.get(k)]
+        diffs = _shape_diffs(saved, want, params_first, "now")
         what = f"{len(diffs)} arrays differ, e.g. {diffs[0]}"
         saved_config = self.read_json(step, CONFIG) if config is not None else None
         if saved_config is not None:
@@ -341,7 +268,7 @@ class Checkpointer:
                 with_data = (iterator is not None and (self.directory / str(step) / DATA).is_dir()
                              and (saved_meta is None or saved_meta == meta))
                 if with_data:
-                    _restore_iterator(iterator, self.directory / str(step) / DATA)
+                    restore_iterator(iterator, self.directory / str(step) / DATA)
                 error = None
             except Exception as e:  # noqa: BLE001 - any failure to read back = a bad step
                 error = e
@@ -397,14 +324,13 @@ def restore_params(step_dir: str | Path, abstract_state: Any) -> dict:
     step_dir = Path(step_dir).expanduser().resolve()
     wanted = {k: abstract_state[k] for k in ("params", "buffers") if k in abstract_state}
     try:
-        saved = _shapes(ocp.StandardCheckpointHandler().metadata(step_dir / STATE).tree)
+        saved = _saved_shapes(step_dir)
     except Exception as e:  # noqa: BLE001 - any unreadable metadata: not a checkpoint step
         raise ConfigError(f"checkpoint {step_dir}: its state metadata does not read back "
                           f"({type(e).__name__}); pass a committed checkpoints/<step> folder"
                           ) from None
     want = _shapes(wanted)
-    diffs = [f"{k}: saved {saved.get(k, 'absent')}, config builds {v}"
-             for k, v in sorted(want.items()) if saved.get(k) != v]
+    diffs = _shape_diffs(saved, want, sorted(want), "config builds")
     if diffs:
         raise ConfigError(f"checkpoint {step_dir} holds another model layout than the config "
                           f"builds ({len(diffs)} arrays differ, e.g. {diffs[0]}); evaluate with "
@@ -413,6 +339,19 @@ def restore_params(step_dir: str | Path, abstract_state: Any) -> dict:
     with ocp.PyTreeCheckpointer() as checkpointer:
         return checkpointer.restore(step_dir / STATE, args=ocp.args.PyTreeRestore(
             item=wanted, restore_args=restore_args, partial_restore=True))
+
+
+def _saved_shapes(step_dir: Path) -> dict[str, tuple]:
+    """`_shapes` of a step directory's saved state, from its metadata (no array is read);
+    raises whatever Orbax raises when the metadata does not read back."""
+    return _shapes(ocp.StandardCheckpointHandler().metadata(step_dir / STATE).tree)
+
+
+def _shape_diffs(saved: dict[str, tuple], want: dict[str, tuple], keys, now: str) -> list[str]:
+    """One line per key of `keys` (in order) whose shapes differ: key, saved shape, and
+    `now` (what names the current side) with its shape."""
+    return [f"{k}: saved {saved.get(k, 'absent')}, {now} {want.get(k, 'absent')}"
+            for k in keys if saved.get(k) != want.get(k)]
 
 
 def _shapes(tree) -> dict[str, tuple]:

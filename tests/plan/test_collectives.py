@@ -11,13 +11,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from maxmoe.bench import synthetic_batch
-from maxmoe.plan.collectives import (
-    collective_bytes,
-    parse_instruction,
-    replica_groups,
-    shape_bytes,
-    summarize,
-)
+from maxmoe.plan.collectives import collective_bytes, replica_groups, summarize
+from maxmoe.plan.hlo import parse_instruction, shape_bytes
 from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.setup import prepare_run
 from maxmoe.validation import validate

@@ -1,0 +1,111 @@
+"""HLO module text as printed by `compiled.as_text()`: computations of instructions (name,
+result shape, opcode, operands, attributes, whether it is the ROOT) and the byte sizes of
+shapes. Enough for maxmoe.plan.collectives and maxmoe.plan.scatter, not a full HLO parser."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([<=\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    name: str
+    type: str  # result shape text, e.g. "f32[4,8]{1,0}" or a tuple "(f32[4], s32[])"
+    opcode: str
+    operands: list[str]  # as printed: "%name" or "f32[4] %name"
+    attrs: str
+    root: bool = False  # the computation's ROOT (its result)
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes of one element of an HLO primitive type (pred 1, bf16 2, s4 0.5, c64 8...)."""
+    if dtype == "pred":
+        return 1.0
+    if dtype in ("token", "opaque"):
+        return 0.0
+    m = re.match(r"[a-z]+?(\d+)", dtype)
+    if not m:
+        raise ValueError(f"unknown HLO element type {dtype!r}")
+    return int(m.group(1)) / 8
+
+
+def shape_bytes(shape: str) -> float:
+    """Bytes of an HLO shape text (arrays and tuples; layouts and comments ignored)."""
+    total = 0.0
+    for dtype, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape)):
+        sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d]
+        total += dtype_bytes(dtype) * int(np.prod(sizes, dtype=np.int64))
+    return total
+
+
+def split_top(text: str, sep: str = ",") -> list[str]:
+    """Splits at `sep` outside (), [], {}."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == sep and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def close_bracket(text: str, start: int) -> int:
+    """Index of the bracket closing the one at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    raise ValueError(f"unbalanced brackets in HLO: {text[:120]!r}")
+
+
+def parse_instruction(line: str) -> Instr | None:
+    """One HLO instruction line -> Instr; None for anything else."""
+    m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))
+    if not m:
+        return None
+    name, rest = m.group(1), m.group(2).strip()
+    end = close_bracket(rest, 0) + 1 if rest.startswith("(") else rest.index(" ")
+    type_, rest = rest[:end], rest[end:].strip()
+    paren = rest.find("(")
+    if paren < 0:
+        return None
+    close = close_bracket(rest, paren)
+    return Instr(name, type_, rest[:paren].strip(), split_top(rest[paren + 1:close]),
+                 rest[close + 1:].lstrip(", "), bool(re.match(r"\s*ROOT\s", line)))
+
+
+def parse_module(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
+    """HLO module text -> ({computation: instructions}, entry computation name)."""
+    comps: dict[str, list[Instr]] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        header = _HEADER.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(2)
+            comps[current] = []
+            entry = current if header.group(1) else entry
+        elif line.strip() == "}":
+            current = None
+        elif current is not None and (ins := parse_instruction(line)):
+            comps[current].append(ins)
+    if not entry:
+        raise ValueError("HLO text has no ENTRY computation")
+    return comps, entry
