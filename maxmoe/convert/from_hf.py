@@ -97,19 +97,49 @@ def hub_dtypes(reader: SafetensorsReader, cfg: Config, family: str) -> dict[str,
 def check_shared_copies(reader: SafetensorsReader, cfg: Config, family: str,
                         block_bytes: int = MAX_CHUNK_BYTES) -> None:
     """The MTP layers' embedding and head must equal the main ones (maxmoe shares them);
-    compared in row blocks of about block_bytes, so neither tensor is read whole."""
+    compared in row blocks of about block_bytes, each through a fresh memory map dropped after
+    it, so the pages of neither tensor stay resident (they would count as the process's)."""
     main_of = {t.parts: t.name for t in hub_tensors(cfg, family)}
     for tensor in mtp_shared_copies(cfg):
         if tensor.name not in reader.files:
             continue
-        copy, main = reader.get(tensor.name), reader.get(main_of[tensor.parts])
-        rows = max(1, block_bytes // max(1, copy[0].nbytes)) if copy.ndim else 1
-        same = copy.shape == main.shape and all(
-            np.array_equal(copy[r:r + rows], main[r:r + rows]) for r in range(0, len(copy), rows))
+        main = main_of[tensor.parts]
+        shape = reader.shape(tensor.name)
+        same = shape == reader.shape(main)
+        row_bytes = max(1, reader.raw(tensor.name)[:1].nbytes)
+        rows = max(1, block_bytes // row_bytes)
+        for r in range(0, shape[0] if same and shape else 0, rows):
+            same = np.array_equal(reader.get(tensor.name)[r:r + rows],
+                                  reader.get(main)[r:r + rows])
+            if not same:
+                break
         if not same:
             raise ConversionError(f"tensor '{tensor.name}' differs from the main model's; maxmoe "
                                   "shares the MTP embedding and head, so it cannot hold this "
                                   "checkpoint")
+
+
+def _key(path: tuple) -> tuple[str, ...]:
+    """A param path as strings (tree path entries or plain keys; nnx.List indices are ints)."""
+    return tuple(str(getattr(k, "key", k)) for k in path)
+
+
+def chunk_orders(cfg: Config, family: str) -> dict[tuple, tuple[int, ...]]:
+    """{param path: axes in the order the writer cuts them} so that a chunk reads hub rows:
+    stacked (layer, expert) axes first, then a kernel's out axes (hub rows, contiguous on
+    disk), then its in axes (hub columns: a column block would touch every row's pages).
+    Paths are the pure dict's; leaves no hub weight fills in transpose keep leading-first."""
+    shapes = {_key(path): len(x.shape)
+              for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]}
+    orders = {}
+    for tensor in hub_tensors(cfg, family):
+        if not tensor.linear:
+            continue
+        for part in tensor.parts:
+            key = _key(part.path)
+            k, d = len(part.index), part.in_dims
+            orders[key] = (*range(k), *range(k + d, shapes[key]), *range(k, k + d))
+    return orders
 
 
 def convert_from_hf(hf_dir: Path, out_dir: Path, *, max_chunk_bytes: int = MAX_CHUNK_BYTES,
@@ -125,7 +155,10 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, max_chunk_bytes: int = MAX_C
     if process_index == 0:
         write_converted_config(out_dir, cfg, reader.hf_config,
                                hub_dtypes(reader.files, cfg, family))
-    written = save_streamed(out_dir / "params", reader.shapes(), reader.read,
+    orders = chunk_orders(cfg, family)
+    shapes = reader.shapes()
+    written = save_streamed(out_dir / "params", shapes, reader.read,
                             max_chunk_bytes=max_chunk_bytes, process_index=process_index,
-                            process_count=process_count, barrier=barrier)
+                            process_count=process_count, barrier=barrier,
+                            orders={p: orders[_key(p)] for p in shapes if _key(p) in orders})
     return cfg, written

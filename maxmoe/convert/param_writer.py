@@ -10,14 +10,17 @@ chunk shapes differ from Orbax's choice, which restore takes from each `.zarray`
 used: its per-process B-trees must be merged by one process at the end, and that merge is
 Orbax's private code; plain zarr lets every process write whole chunk files on its own.
 
-Each chunk splits only leading axes (one layer's expert, a row block of the embedding), so a
-chunk is the slice `produce(path, index)` returns and the unit one process writes: no two
-processes ever touch one chunk file. At most `IN_FLIGHT + 1` chunks are in memory per process.
+Each chunk cuts a leaf along some axes (by default leading ones: one layer's expert, a row block
+of the embedding; the caller may name others, e.g. the LM head's vocabulary axis), so a chunk
+is the slice `produce(path, index)` returns and the unit one process writes: no two
+processes ever touch one chunk file. At most `IN_FLIGHT + 1` produced chunks are alive per
+process (TensorStore adopts each as the chunk's buffer, no copy).
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -36,6 +39,12 @@ from maxmoe.convert.safetensors_io import ConversionError
 MAX_CHUNK_BYTES = 64 * 2**20  # Orbax's chunk_byte_size that save_converted used
 IN_FLIGHT = 1  # chunks being compressed and written while the next one is produced
 DTYPE = np.dtype(np.float32)  # every converted param is saved as float32
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")  # glibc; another C library: no arena limit
+    _LIBC.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+except (OSError, AttributeError):
+    _LIBC = None
 Produce = Callable[[tuple, tuple[slice, ...]], np.ndarray]
 
 
@@ -54,25 +63,29 @@ class Written:
     nbytes: int
 
 
-def chunk_shape(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> tuple[int, ...]:
-    """The chunk of an array `shape`: whole trailing axes, the leading ones cut so a chunk
-    holds at most max_bytes (a single row over max_bytes stays whole: the smallest unit);
-    cuts are even (ceil(n / pieces)), so the last chunk is not a sliver."""
+def chunk_shape(shape: tuple[int, ...], itemsize: int, max_bytes: int,
+                order: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The chunk of an array `shape`: axes are cut in `order` (default: leading first), each
+    to 1 while the axes after it alone exceed max_bytes, the next to fit, the rest whole (a
+    single innermost run over max_bytes stays whole: the smallest unit); cuts are even
+    (ceil(n / pieces)), so the last chunk is not a sliver."""
+    order = tuple(range(len(shape))) if order is None else tuple(order)
     out = list(shape)
-    for k, n in enumerate(shape):
-        rest = itemsize * math.prod(shape[k + 1:])
-        if n * rest <= max_bytes:
+    for j, k in enumerate(order):
+        rest = itemsize * math.prod(shape[a] for a in order[j + 1:])
+        if shape[k] * rest <= max_bytes:
             break
         fit = max(1, max_bytes // rest)
-        out[k] = math.ceil(n / math.ceil(n / fit))
+        out[k] = math.ceil(shape[k] / math.ceil(shape[k] / fit))
         if fit > 1:
             break
     return tuple(out)
 
 
-def leaf_chunks(path: tuple, shape: tuple[int, ...], max_bytes: int) -> list[Chunk]:
+def leaf_chunks(path: tuple, shape: tuple[int, ...], max_bytes: int,
+                order: tuple[int, ...] | None = None) -> list[Chunk]:
     """Every chunk of one leaf, in C order of the chunk grid."""
-    chunks = chunk_shape(shape, DTYPE.itemsize, max_bytes)
+    chunks = chunk_shape(shape, DTYPE.itemsize, max_bytes, order)
     starts = [range(0, n, c) for n, c in zip(shape, chunks, strict=True)]
     out = []
     for corner in itertools.product(*starts):
@@ -100,7 +113,8 @@ def array_name(path: tuple) -> str:
     return ".".join(str(k) for k in path)
 
 
-def _spec(directory: Path, path: tuple, shape: tuple[int, ...], max_bytes: int) -> dict:
+def _spec(directory: Path, path: tuple, chunks: tuple[int, ...], shape: tuple[int, ...]
+          ) -> dict:
     """TensorStore spec of one leaf, the zarr v2 metadata Orbax writes (tests compare them)."""
     return {
         "driver": "zarr",
@@ -108,9 +122,7 @@ def _spec(directory: Path, path: tuple, shape: tuple[int, ...], max_bytes: int) 
         "recheck_cached_data": False,
         "recheck_cached_metadata": False,
         "store_data_equal_to_fill_value": True,
-        "metadata": {"shape": list(shape), "chunks": list(chunk_shape(shape, DTYPE.itemsize,
-                                                                         max_bytes)),
-                     "dtype": DTYPE.str, "compressor": {"id": "zstd", "level": 1},
+        "metadata": {"shape": list(shape), "chunks": list(chunks), "dtype": DTYPE.str, "compressor": {"id": "zstd", "level": 1},
                      "dimension_separator": ".", "fill_value": None, "filters": None,
                      "order": "C"},
     }
@@ -132,23 +144,32 @@ def tree_metadata(paths: list[tuple]) -> dict:
             "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
 
 
-def _write_share(directory: Path, shapes: dict, mine: list[Chunk], produce: Produce,
-                 max_bytes: int) -> None:
-    """Writes this process's chunks: produce one, start its write, produce the next while at
-    most IN_FLIGHT writes run (each future holds its source array until written)."""
+def _one_arena() -> None:
+    """Makes threads started from now on share glibc's existing malloc arenas: each
+    TensorStore thread would otherwise keep the chunk buffers it freed in an arena of its own,
+    and the process's resident size creep up by a chunk per thread."""
+    if _LIBC is not None:
+        _LIBC.mallopt(M_ARENA_MAX, 1)
+
+
+def _write_share(directory: Path, specs: dict[tuple, dict], mine: list[Chunk],
+                 produce: Produce) -> None:
+    """Writes this process's chunks: produce one, hand it to TensorStore (which keeps the
+    array as the chunk's buffer instead of copying it), produce the next while at most
+    IN_FLIGHT writes are being compressed and written."""
     context = _context()
     arrays: dict[tuple, ts.TensorStore] = {}
     pending: collections.deque = collections.deque()
     for chunk in mine:
         if chunk.path not in arrays:
-            arrays[chunk.path] = ts.open(_spec(directory, chunk.path, shapes[chunk.path],
-                                               max_bytes), open=True, context=context).result()
-        value = np.asarray(produce(chunk.path, chunk.index), DTYPE)
+            arrays[chunk.path] = ts.open(specs[chunk.path], open=True, context=context).result()
+        value = np.ascontiguousarray(produce(chunk.path, chunk.index), DTYPE)
         want = tuple(i.stop - i.start for i in chunk.index)
         if value.shape != want:
             raise ValueError(f"produce({chunk.path}, {chunk.index}) returned shape "
                              f"{value.shape}, not {want}")
-        pending.append(arrays[chunk.path][chunk.index].write(value))
+        pending.append(arrays[chunk.path][chunk.index].write(
+            value, can_reference_source_data_indefinitely=True))
         del value
         while len(pending) > IN_FLIGHT:
             pending.popleft().result()
@@ -157,35 +178,40 @@ def _write_share(directory: Path, shapes: dict, mine: list[Chunk], produce: Prod
 
 
 def save_streamed(directory: Path, shapes: dict[tuple, tuple[int, ...]], produce: Produce, *,
-                  max_chunk_bytes: int = MAX_CHUNK_BYTES, process_index: int = 0,
+                  max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                  orders: dict[tuple, tuple[int, ...]] | None = None, process_index: int = 0,
                   process_count: int = 1, barrier: Callable[[str], None] = lambda _: None
                   ) -> Written:
     """Writes the float32 leaves `shapes` ({path: shape}, in tree order) to the Orbax
     checkpoint `directory` (replaced if it exists), each chunk from produce(path, index).
 
-    Run by every process of a job with its index and a barrier(name) that returns once all
-    processes called it: process 0 creates the arrays in `<directory>.tmp`, each process
-    writes its share of the chunks (`assign`), then process 0 writes the metadata and renames
-    the folder into place, so `directory` only ever appears complete. The folder must be on a
-    file system all processes see."""
+    orders: {path: axes in the order they are cut} for leaves whose reads are cheapest along
+    other axes than the leading ones (chunk_shape). Run by every process of a job with its
+    index and a barrier(name) that returns once all processes called it: process 0 creates
+    the arrays in `<directory>.tmp`, each process writes its share of the chunks (`assign`),
+    then process 0 writes the metadata and renames the folder into place, so `directory`
+    only ever appears complete. The folder must be on a file system all processes see."""
+    _one_arena()
     directory = Path(directory).resolve()
     tmp = directory.with_name(directory.name + ".tmp")
-    shapes = {tuple(p): tuple(s) for p, s in shapes.items()}
+    orders = orders or {}
+    specs, chunks = {}, []
+    for path, shape in shapes.items():
+        grid = chunk_shape(tuple(shape), DTYPE.itemsize, max_chunk_bytes, orders.get(path))
+        specs[path] = _spec(tmp, path, grid, tuple(shape))
+        chunks += leaf_chunks(path, tuple(shape), max_chunk_bytes, orders.get(path))
     if process_index == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         context = _context()
-        created = [ts.open(_spec(tmp, p, s, max_chunk_bytes), create=True, context=context)
-                   for p, s in shapes.items()]
-        for future in created:
+        for future in [ts.open(spec, create=True, context=context) for spec in specs.values()]:
             future.result()
     barrier("maxmoe-convert-created")
     if not tmp.is_dir():
         raise ConversionError(f"{tmp}: process 0 created it but process {process_index} does "
                               "not see it; write to a file system every process mounts")
-    chunks = [c for p, s in shapes.items() for c in leaf_chunks(p, s, max_chunk_bytes)]
     mine = assign(chunks, process_count)[process_index]
-    _write_share(tmp, shapes, mine, produce, max_chunk_bytes)
+    _write_share(tmp, specs, mine, produce)
     barrier("maxmoe-convert-written")
     if process_index == 0:
         _commit(tmp, directory, list(shapes))
