@@ -150,7 +150,7 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, max_chunk_bytes: int = MAX_C
     and writes its share of the chunks. Returns the maxmoe config and what this process wrote."""
     reader = LeafReader(hf_dir)
     cfg, family = reader.cfg, family_of(reader.hf_config)
-    check_shared_copies(reader.files, cfg, family)
+    check_shared_copies(reader.files, cfg, family, max_chunk_bytes)
     out_dir = Path(out_dir).resolve()
     if process_index == 0:
         write_converted_config(out_dir, cfg, reader.hf_config,

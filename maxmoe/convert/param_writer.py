@@ -65,10 +65,10 @@ class Written:
 
 def chunk_shape(shape: tuple[int, ...], itemsize: int, max_bytes: int,
                 order: tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """The chunk of an array `shape`: axes are cut in `order` (default: leading first), each
-    to 1 while the axes after it alone exceed max_bytes, the next to fit, the rest whole (a
-    single innermost run over max_bytes stays whole: the smallest unit); cuts are even
-    (ceil(n / pieces)), so the last chunk is not a sliver."""
+    """The chunk of an array `shape`, at most max_bytes (or one element): axes are cut in
+    `order` (default: leading first), each to 1 while the axes after it alone exceed
+    max_bytes, the next one to fit, the rest left whole; a cut takes the fewest pieces that
+    fit, of even length (ceil(n / pieces))."""
     order = tuple(range(len(shape))) if order is None else tuple(order)
     out = list(shape)
     for j, k in enumerate(order):
