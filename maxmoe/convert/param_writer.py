@@ -20,6 +20,7 @@ process (TensorStore adopts each as the chunk's buffer, no copy).
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import dataclasses
 import itertools
@@ -122,9 +123,9 @@ def _spec(directory: Path, path: tuple, chunks: tuple[int, ...], shape: tuple[in
         "recheck_cached_data": False,
         "recheck_cached_metadata": False,
         "store_data_equal_to_fill_value": True,
-        "metadata": {"shape": list(shape), "chunks": list(chunks), "dtype": DTYPE.str, "compressor": {"id": "zstd", "level": 1},
-                     "dimension_separator": ".", "fill_value": None, "filters": None,
-                     "order": "C"},
+        "metadata": {"shape": list(shape), "chunks": list(chunks), "dtype": DTYPE.str,
+                     "compressor": {"id": "zstd", "level": 1}, "dimension_separator": ".",
+                     "fill_value": None, "filters": None, "order": "C"},
     }
 
 
@@ -144,12 +145,18 @@ def tree_metadata(paths: list[tuple]) -> dict:
             "store_array_data_equal_to_fill_value": True, "custom_metadata": None}
 
 
-def _one_arena() -> None:
-    """Makes threads started from now on share glibc's existing malloc arenas: each
-    TensorStore thread would otherwise keep the chunk buffers it freed in an arena of its own,
-    and the process's resident size creep up by a chunk per thread."""
+@contextlib.contextmanager
+def _one_arena():
+    """Inside: threads share glibc's existing malloc arenas (each TensorStore thread would
+    otherwise keep the chunk buffers it freed in an arena of its own, and the resident size
+    creep up by a chunk per thread); after: glibc's default limit, 8 per core, again."""
     if _LIBC is not None:
         _LIBC.mallopt(M_ARENA_MAX, 1)
+    try:
+        yield
+    finally:
+        if _LIBC is not None:
+            _LIBC.mallopt(M_ARENA_MAX, 8 * (os.cpu_count() or 1))
 
 
 def _write_share(directory: Path, specs: dict[tuple, dict], mine: list[Chunk],
@@ -191,10 +198,15 @@ def save_streamed(directory: Path, shapes: dict[tuple, tuple[int, ...]], produce
     the arrays in `<directory>.tmp`, each process writes its share of the chunks (`assign`),
     then process 0 writes the metadata and renames the folder into place, so `directory`
     only ever appears complete. The folder must be on a file system all processes see."""
-    _one_arena()
-    directory = Path(directory).resolve()
+    with _one_arena():  # from the start: TensorStore's threads take their arenas at first use
+        return _save(Path(directory).resolve(), shapes, produce, max_chunk_bytes, orders or {},
+                     process_index, process_count, barrier)
+
+
+def _save(directory: Path, shapes: dict, produce: Produce, max_chunk_bytes: int, orders: dict,
+          process_index: int, process_count: int, barrier: Callable[[str], None]) -> Written:
+    """save_streamed's steps (see there)."""
     tmp = directory.with_name(directory.name + ".tmp")
-    orders = orders or {}
     specs, chunks = {}, []
     for path, shape in shapes.items():
         grid = chunk_shape(tuple(shape), DTYPE.itemsize, max_chunk_bytes, orders.get(path))
