@@ -9,6 +9,7 @@ import argparse
 import sys
 import time
 
+from maxmoe.config import ConfigError
 from maxmoe.distributed import initialize, wait_for_processes
 
 # a barrier waits for the slowest process's whole share of the model; a process that dies is
@@ -76,6 +77,9 @@ def run(args) -> int:
 def _from_hf(args, convert_from_hf) -> str:
     """Joins jax.distributed when the environment names a job (maxmoe/distributed.py), then
     converts as this process's share of it; returns the line saying what it wrote."""
+    if not args.chunk_mb > 0:
+        raise ConfigError(f"--chunk-mb {args.chunk_mb}: a chunk needs a size above 0 MiB; "
+                              "leave it out for 64")
     member = initialize()
     index, count = (member.process_id, member.num_processes) if member else (0, 1)
     _, written = convert_from_hf(

@@ -16,6 +16,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from maxmoe.cli import main
 from maxmoe.config import load_config
 from maxmoe.convert.checkpoint_io import abstract_params, restore_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
@@ -143,6 +144,13 @@ def test_mtp_copy_that_differs_in_its_last_block_is_an_error(tmp_path):
         f.write((value + 1).tobytes())
     with pytest.raises(ConversionError, match=f"tensor '{name}' differs"):
         convert_from_hf(tmp_path / "hub", tmp_path / "out", max_chunk_bytes=256)
+
+
+def test_chunk_size_zero_is_a_one_line_error(tmp_path, capsys):
+    code = main(["convert", "from-hf", str(DEEPSEEK), str(tmp_path / "out"), "--chunk-mb", "0"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--chunk-mb 0.0" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def _cli(hf_dir: Path, out_dir: Path, env: dict, chunk_mb: float) -> subprocess.Popen:
