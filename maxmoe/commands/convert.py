@@ -79,7 +79,7 @@ def _from_hf(args, convert_from_hf) -> str:
     converts as this process's share of it; returns the line saying what it wrote."""
     if not args.chunk_mb > 0:
         raise ConfigError(f"--chunk-mb {args.chunk_mb}: a chunk needs a size above 0 MiB; "
-                              "leave it out for 64")
+                          "leave it out for 64")
     member = initialize()
     index, count = (member.process_id, member.num_processes) if member else (0, 1)
     _, written = convert_from_hf(
