@@ -9,6 +9,13 @@ import argparse
 import sys
 import time
 
+from maxmoe.config import ConfigError
+from maxmoe.distributed import initialize, wait_for_processes
+
+# a barrier waits for the slowest process's whole share of the model; a process that dies is
+# caught by jax.distributed's heartbeat long before this
+BARRIER_TIMEOUT_S = 24 * 3600
+
 USAGE = """\
 Convert checkpoints between Hugging Face safetensors (DeepSeek-V3, DeepSeek-V2, Mixtral,
 Qwen3-MoE hub layouts) and maxmoe.
@@ -16,6 +23,10 @@ Qwen3-MoE hub layouts) and maxmoe.
   maxmoe convert from-hf HF_DIR OUT_DIR     config.json + model*.safetensors (single file or
                                             sharded with an index; FP8 block-scaled weights are
                                             dequantized) -> OUT_DIR/config.yaml + OUT_DIR/params
+                                            (written chunk by chunk: memory stays about one hub
+                                            tensor; run it on N processes of a jax.distributed
+                                            job, e.g. launch/local_multiprocess.sh, and each
+                                            writes 1/N of the chunks to the shared OUT_DIR)
   maxmoe convert to-hf CKPT_DIR OUT_DIR     a converted checkpoint or a training run directory
                                             -> OUT_DIR/config.json + safetensors with hub names
 
@@ -29,6 +40,8 @@ def add_parser(subparsers) -> None:
     a = sub.add_parser("from-hf", help="Hugging Face directory -> maxmoe checkpoint directory")
     a.add_argument("hf_dir")
     a.add_argument("out_dir")
+    a.add_argument("--chunk-mb", type=float, default=64.0,
+                   help="largest chunk of a param array in MiB (the unit read and written)")
     b = sub.add_parser("to-hf", help="maxmoe checkpoint directory -> Hugging Face directory")
     b.add_argument("ckpt_dir")
     b.add_argument("out_dir")
@@ -49,7 +62,7 @@ def run(args) -> int:
     t = time.perf_counter()
     try:
         if args.direction == "from-hf":
-            convert_from_hf(args.hf_dir, args.out_dir)
+            print(_from_hf(args, convert_from_hf), file=sys.stderr)
         else:
             convert_to_hf(args.ckpt_dir, args.out_dir, args.dtype,
                           int(args.max_shard_gb * 2**30))
@@ -59,3 +72,19 @@ def run(args) -> int:
     print(f"maxmoe convert {args.direction}: wrote {args.out_dir} in "
           f"{time.perf_counter() - t:.1f}s", file=sys.stderr)
     return 0
+
+
+def _from_hf(args, convert_from_hf) -> str:
+    """Joins jax.distributed when the environment names a job (maxmoe/distributed.py), then
+    converts as this process's share of it; returns the line saying what it wrote."""
+    if not args.chunk_mb > 0:
+        raise ConfigError(f"--chunk-mb {args.chunk_mb}: a chunk needs a size above 0 MiB; "
+                          "leave it out for 64")
+    member = initialize()
+    index, count = (member.process_id, member.num_processes) if member else (0, 1)
+    _, written = convert_from_hf(
+        args.hf_dir, args.out_dir, max_chunk_bytes=int(args.chunk_mb * 2**20),
+        process_index=index, process_count=count,
+        barrier=lambda name: wait_for_processes(name, BARRIER_TIMEOUT_S))
+    return (f"maxmoe convert from-hf: process {index} of {count} wrote {written.chunks} of "
+            f"{written.total} chunks ({written.nbytes / 2**20:.1f} MiB)")

@@ -2,7 +2,8 @@
 
     OUT_DIR/config.yaml        the resolved maxmoe config (train with it, or pass it to forward)
     OUT_DIR/params/            Orbax checkpoint of the pure param dict (float32, incl. router bias;
-                               no OCDBT, 64 MiB chunks: written without copying the model)
+                               no OCDBT, chunks of at most 64 MiB: written chunk by chunk by
+                               convert/param_writer.py, read by Orbax's ordinary restore)
     OUT_DIR/hf/config.json     the source config.json (to-hf keeps the fields maxmoe ignores)
     OUT_DIR/hf/tensor_dtypes.json   hub tensor -> dtype on disk (to-hf writes the same dtypes)
 
@@ -12,7 +13,6 @@ A training run directory (run.dir, with checkpoints/<step>/state) is read too: i
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import jax
@@ -22,6 +22,7 @@ from flax import nnx
 
 from maxmoe.config import Config, load_config, save_config
 from maxmoe.convert.names import get_path
+from maxmoe.convert.param_writer import save_streamed
 from maxmoe.convert.safetensors_io import ConversionError
 from maxmoe.model.transformer import build_model
 from maxmoe.sharding import make_mesh
@@ -35,8 +36,9 @@ def abstract_params(cfg: Config) -> dict:
     return nnx.to_pure_dict(nnx.state(model))
 
 
-def save_converted(out_dir: Path, cfg: Config, params: dict, hf_config: dict | None = None,
-                   hf_dtypes: dict | None = None) -> None:
+def write_converted_config(out_dir: Path, cfg: Config, hf_config: dict | None = None,
+                           hf_dtypes: dict | None = None) -> None:
+    """OUT_DIR/config.yaml and, from a hub checkpoint, OUT_DIR/hf/ (everything but params/)."""
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out_dir / "config.yaml")
@@ -44,24 +46,22 @@ def save_converted(out_dir: Path, cfg: Config, params: dict, hf_config: dict | N
         (out_dir / "hf").mkdir(exist_ok=True)
         (out_dir / "hf" / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         (out_dir / "hf" / "tensor_dtypes.json").write_text(json.dumps(hf_dtypes or {}, indent=0))
-    # Orbax's default numpy handler deep-copies every array first (the model twice), OCDBT keeps
-    # compressed data until the save ends and whole-array chunks are held compressed while
-    # written: write the arrays in place, without OCDBT, in 64 MiB chunks, so the save holds
-    # nothing beyond the model (docs/performance.md, Checkpoints and conversion memory).
-    # Restore reads any of these layouts.
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
-    chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=64 * 2**20), params)
-    log = logging.getLogger("absl")  # quiet: "no jax.Array handler", "no OCDBT files to merge"
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry)
-        with ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(out_dir / "params", args=ocp.args.PyTreeSave(params, chunks),
-                              force=True)
-    finally:
-        log.setLevel(level)
+
+
+def save_converted(out_dir: Path, cfg: Config, params: dict, hf_config: dict | None = None,
+                   hf_dtypes: dict | None = None) -> None:
+    """A converted checkpoint directory from params held in memory (numpy arrays), written
+    chunk by chunk like `convert from-hf` writes it (no copy of the model is made)."""
+    write_converted_config(out_dir, cfg, hf_config, hf_dtypes)
+    shapes = {tuple(_key(k) for k in p): np.shape(x)
+              for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    save_streamed(Path(out_dir).resolve() / "params", shapes,
+                  lambda path, index: np.asarray(get_path(params, path)[index], np.float32))
+
+
+def _key(entry):
+    """The dict key of a tree path entry."""
+    return entry.key if hasattr(entry, "key") else entry.idx
 
 
 def read_converted(ckpt_dir: Path, overrides: list[str] = ()) -> tuple[Config, dict | None, dict]:

@@ -1,24 +1,28 @@
-"""Hugging Face safetensors -> maxmoe params, one tensor at a time.
+"""Hugging Face safetensors -> maxmoe params.
 
-The destination arrays (float32, the model once) are allocated up front; each hub tensor is read
-memory-mapped, dequantized if FP8, and cast into its slices; the save writes those arrays in
-place, so the model never sits in memory twice. Unknown and missing tensors are reported before
-anything is read.
+`convert_from_hf` (the CLI's) never holds the model: the checkpoint is written chunk by chunk
+(convert/param_writer.py), each chunk read as a slice of its param leaf from the hub tensors it
+covers (convert/hf_slices.py's LeafReader, memory-mapped, FP8 dequantized), and N processes
+each write their share. `read_hf` returns the whole model as float32 arrays (tests, parity
+checks). Unknown and missing tensors are reported before anything is read.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from maxmoe.config import Config
-from maxmoe.convert.checkpoint_io import abstract_params, save_converted
+from maxmoe.convert.checkpoint_io import abstract_params, write_converted_config
 from maxmoe.convert.hf_config import config_from_hf, family_of
+from maxmoe.convert.hf_slices import LeafReader
 from maxmoe.convert.names import hub_shape, hub_tensors, hub_to_params, mtp_shared_copies
+from maxmoe.convert.param_writer import MAX_CHUNK_BYTES, Written, save_streamed
 from maxmoe.convert.safetensors_io import (
     SCALE_SUFFIX,
     ConversionError,
@@ -41,7 +45,8 @@ def count_mtp_layers(names: list[str], num_layers: int) -> int:
 
 
 def read_hf(hf_dir: Path, base: Config | None = None) -> tuple[Config, dict, dict, dict]:
-    """(maxmoe config, params as float32 numpy arrays, source config.json, hub tensor dtypes)."""
+    """(maxmoe config, params as float32 numpy arrays, source config.json, hub tensor dtypes):
+    the whole model in memory (tests; `convert_from_hf` streams instead)."""
     hf_config = read_hf_config(hf_dir)
     family = family_of(hf_config)
     reader = SafetensorsReader(hf_dir)
@@ -62,32 +67,98 @@ def read_hf(hf_dir: Path, base: Config | None = None) -> tuple[Config, dict, dic
         raise ConversionError(
             f"missing tensor '{missing[0]}' ({len(missing)} missing in all): config.json describes "
             f"a {family} model that needs it; add the shard that holds it or fix config.json")
+    check_shared_copies(reader, cfg, family)
     shapes = abstract_params(cfg)
     params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), shapes)
-    dtypes = {}
     for name in names:
         if name in copies:
             continue
-        value = reader.get(name)
         tensor = expected[name]
         want = hub_shape(tensor, shapes)
-        if value.shape != want:
-            raise ConversionError(f"tensor '{name}' has shape {list(value.shape)} but config.json "
-                                  f"implies {list(want)}; fix config.json")
-        hub_to_params(tensor, value, params)
-        dtypes[name] = "BF16" if name + SCALE_SUFFIX in reader.files else reader.dtype_name(name)
-    main_of = {t.parts: n for n, t in expected.items()}
-    for name, tensor in copies.items():  # must repeat the shared tensor exactly
-        if name in present and not np.array_equal(reader.get(name),
-                                                  reader.get(main_of[tensor.parts])):
-            raise ConversionError(f"tensor '{name}' differs from the main model's; maxmoe shares "
-                                  "the MTP embedding and head, so it cannot hold this checkpoint")
-        if name in present:
-            dtypes[name] = reader.dtype_name(name)
+        if reader.shape(name) != want:
+            raise ConversionError(f"tensor '{name}' has shape {list(reader.shape(name))} but "
+                                  f"config.json implies {list(want)}; fix config.json")
+        hub_to_params(tensor, reader.get(name), params)
+    dtypes = hub_dtypes(reader, cfg, family)
     return cfg, params, hf_config, dtypes
 
 
-def convert_from_hf(hf_dir: Path, out_dir: Path) -> Config:
-    cfg, params, hf_config, dtypes = read_hf(hf_dir)
-    save_converted(out_dir, cfg, params, hf_config, dtypes)
-    return cfg
+def hub_dtypes(reader: SafetensorsReader, cfg: Config, family: str) -> dict[str, str]:
+    """{hub tensor: dtype on disk} for to-hf (FP8 block-scaled weights come back as BF16),
+    the MTP layers' copies of the embedding and head included where present."""
+    out = {}
+    for tensor in hub_tensors(cfg, family) + mtp_shared_copies(cfg):
+        if tensor.name in reader.files:
+            scaled = tensor.name + SCALE_SUFFIX in reader.files
+            out[tensor.name] = "BF16" if scaled else reader.dtype_name(tensor.name)
+    return out
+
+
+def check_shared_copies(reader: SafetensorsReader, cfg: Config, family: str,
+                        block_bytes: int = MAX_CHUNK_BYTES) -> None:
+    """The MTP layers' embedding and head must equal the main ones (maxmoe shares them);
+    compared in row blocks of about block_bytes, each through a fresh memory map dropped after
+    it, so the pages of neither tensor stay resident (they would count as the process's)."""
+    main_of = {t.parts: t.name for t in hub_tensors(cfg, family)}
+    for tensor in mtp_shared_copies(cfg):
+        if tensor.name not in reader.files:
+            continue
+        main = main_of[tensor.parts]
+        shape = reader.shape(tensor.name)
+        same = shape == reader.shape(main)
+        row_bytes = max(1, reader.raw(tensor.name)[:1].nbytes)
+        rows = max(1, block_bytes // row_bytes)
+        for r in range(0, shape[0] if same and shape else 0, rows):
+            same = np.array_equal(reader.get(tensor.name)[r:r + rows],
+                                  reader.get(main)[r:r + rows])
+            if not same:
+                break
+        if not same:
+            raise ConversionError(f"tensor '{tensor.name}' differs from the main model's; maxmoe "
+                                  "shares the MTP embedding and head, so it cannot hold this "
+                                  "checkpoint")
+
+
+def _key(path: tuple) -> tuple[str, ...]:
+    """A param path as strings (tree path entries or plain keys; nnx.List indices are ints)."""
+    return tuple(str(getattr(k, "key", k)) for k in path)
+
+
+def chunk_orders(cfg: Config, family: str) -> dict[tuple, tuple[int, ...]]:
+    """{param path: axes in the order the writer cuts them} so that a chunk reads hub rows:
+    stacked (layer, expert) axes first, then a kernel's out axes (hub rows, contiguous on
+    disk), then its in axes (hub columns: a column block would touch every row's pages).
+    Paths are the pure dict's; leaves no hub weight fills in transpose keep leading-first."""
+    shapes = {_key(path): len(x.shape)
+              for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]}
+    orders = {}
+    for tensor in hub_tensors(cfg, family):
+        if not tensor.linear:
+            continue
+        for part in tensor.parts:
+            key = _key(part.path)
+            k, d = len(part.index), part.in_dims
+            orders[key] = (*range(k), *range(k + d, shapes[key]), *range(k, k + d))
+    return orders
+
+
+def convert_from_hf(hf_dir: Path, out_dir: Path, *, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                    process_index: int = 0, process_count: int = 1,
+                    barrier: Callable[[str], None] = lambda _: None) -> tuple[Config, Written]:
+    """Writes OUT_DIR (config.yaml, hf/, params/: checkpoint_io.py's layout) from the HF
+    directory; every process of a job calls it with its index and a barrier (save_streamed),
+    and writes its share of the chunks. Returns the maxmoe config and what this process wrote."""
+    reader = LeafReader(hf_dir)
+    cfg, family = reader.cfg, family_of(reader.hf_config)
+    check_shared_copies(reader.files, cfg, family, max_chunk_bytes)
+    out_dir = Path(out_dir).resolve()
+    if process_index == 0:
+        write_converted_config(out_dir, cfg, reader.hf_config,
+                               hub_dtypes(reader.files, cfg, family))
+    orders = chunk_orders(cfg, family)
+    shapes = reader.shapes()
+    written = save_streamed(out_dir / "params", shapes, reader.read,
+                            max_chunk_bytes=max_chunk_bytes, process_index=process_index,
+                            process_count=process_count, barrier=barrier,
+                            orders={p: orders[_key(p)] for p in shapes if _key(p) in orders})
+    return cfg, written
