@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from maxmoe.cli import main
-from maxmoe.config import ConfigError
+from maxmoe.config import CheckpointConfig, ConfigError, to_dict
 from maxmoe.kernels.fp8 import (
     E4M3,
     E4M3_MAX,
@@ -31,6 +31,9 @@ from maxmoe.kernels.fp8 import (
     quantize,
 )
 from maxmoe.kernels.grouped_matmul import dropless_local, fp8_ragged_dot
+from maxmoe.sharding import make_mesh
+from maxmoe.train.checkpoint import Checkpointer
+from maxmoe.train.step import make_trainer
 from maxmoe.validation import validate
 from tests.helpers import loss_and_grads, random_batch, small_config
 
@@ -288,3 +291,27 @@ def test_model_loss_blockwise_near_bf16_and_same_when_sharded():
                                      for a in jax.tree.leaves(g)])
     cos, _ = _stats(flat(results["fp8"][2]), flat(results["bf16"][2]))
     assert cos > 0.99, cos
+
+
+@pytest.mark.slow
+def test_bf16_checkpoint_resumes_in_fp8(tmp_path):
+    """Current scaling keeps no scale state, so a BF16 run's checkpoint is the FP8 run's state:
+    it resumes (layout check included) and takes a finite FP8 step from the restored values."""
+    common = ["precision.compute_dtype=bfloat16", "model.num_layers=2"]
+    runs = {}
+    for mode in ("none", "blockwise"):
+        cfg, origins = small_config(*common, f"precision.fp8={mode}")
+        runs[mode] = cfg, make_trainer(cfg, make_mesh(validate(cfg, 1, origins),
+                                                      jax.devices()[:1]))
+    cfg, trainer = runs["none"]
+    state = trainer.init()
+    with Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1, async_save=False)) as c:
+        assert c.save(3, state, config=to_dict(cfg))
+    cfg, trainer = runs["blockwise"]
+    with Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1)) as c:
+        resumed = c.resume(trainer.abstract_state, config=to_dict(cfg))
+    assert resumed is not None and resumed.step == 3
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _, metrics = trainer.step(resumed.state, random_batch(cfg))
+    assert np.isfinite(float(metrics["loss"])), metrics["loss"]
