@@ -184,6 +184,10 @@ class PrecisionConfig:
     loss_scale_window: int = 1000  # dynamic: double the scale after this many clean steps
     loss_scale_hysteresis: int = 2  # dynamic: overflows tolerated before halving (DeepSpeed)
     loss_scale_min: float = 1.0  # dynamic: an overflow at this scale stops the run
+    # FP8 (E4M3) GEMMs of the attention projections, dense MLPs and shared / routed experts:
+    # none | tensorwise (one current-scaled scale per tensor) | blockwise (DeepSeek-V3's 1x128
+    # / 128x128 tiles); kernels/fp8.py. Needs compute_dtype bfloat16 or float32
+    fp8: str = "none"
 
 
 @dataclass(frozen=True)

@@ -191,6 +191,11 @@ def check_precision(pr: PrecisionConfig, need: Need) -> None:
          "use 1 (halve on every overflow) or 2 (DeepSpeed)")
     need(0 < pr.loss_scale_min <= 2.0 ** pr.loss_scale_initial_power, "precision.loss_scale_min",
          "must be > 0 and at most the initial scale", "use e.g. 1")
+    need(pr.fp8 in ("none", "tensorwise", "blockwise"), "precision.fp8",
+         f"unknown FP8 mode {pr.fp8!r}", "use none, tensorwise or blockwise")
+    need(pr.fp8 == "none" or pr.compute_dtype != "float16", "precision.fp8",
+         f"fp8 {pr.fp8} with compute_dtype float16: FP8 training keeps BF16 compute",
+         "set precision.compute_dtype=bfloat16 or precision.fp8=none")
 
 
 def check_data(d: DataConfig, need: Need) -> None:

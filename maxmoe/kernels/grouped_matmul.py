@@ -9,16 +9,18 @@ collectives here: parallel/experts.py moves tokens between expert shards and cal
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
+from maxmoe.kernels.fp8 import dequantize, fp8_matmul, quantize
 from maxmoe.sharding import mesh_platform
 
 
 def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *,
-                   grouped_matmul: str = "auto", block_size: int = 0):
+                   grouped_matmul: str = "auto", block_size: int = 0, fp8: str = "none"):
     """Runs experts [first_expert, first_expert + El) on the tokens routed to them.
 
     x [..., D] (T rows once flattened); expert_idx, weights [T, K] (global expert ids);
@@ -29,6 +31,8 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     `block_expert_mlp`, a loop over the blocks in use: the fast form on XLA:CPU) or "auto"
     (blocked on CPU, ragged_dot elsewhere; the current mesh's devices decide, see
     sharding.mesh_platform).
+    fp8: precision.fp8; tensorwise / blockwise run the expert GEMMs on E4M3 operands
+    (kernels/fp8.py; ragged_dot: `fp8_ragged_dot`, blocked: inside `block_expert_mlp`).
     """
     grouped_matmul = resolve_kernel(grouped_matmul)
     k, num_local = expert_idx.shape[1], w_gate.shape[0]
@@ -38,16 +42,19 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
             token, row_weight, bounds = blocked_rows(expert_idx, weights, first_expert,
                                                      num_local, block_size)
         with scope("grouped_matmul"):  # gathers, weights and scatters block by block itself
-            return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds)
+            return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8)
     with scope("dispatch"):  # ragged_dot
         _, order, sizes = _by_expert(expert_idx, first_expert, num_local)
         x = x.reshape(-1, x.shape[-1])
         token = order // k
         xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
     with scope("grouped_matmul"):
-        h = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes))
-             * jax.lax.ragged_dot(xs, w_up, sizes))
-        out = jax.lax.ragged_dot(h, w_down, sizes).astype(jnp.float32)
+        def mm(a, w):
+            if fp8 == "none":
+                return jax.lax.ragged_dot(a, w, sizes)
+            return fp8_ragged_dot(a, w, sizes, fp8)
+        h = jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up)
+        out = mm(h, w_down).astype(jnp.float32)
     with scope("combine"):
         out = out * weights.reshape(-1)[order][:, None].astype(jnp.float32)
         # K contributions per token are summed in float32 before the cast back
@@ -112,8 +119,8 @@ def _stable_argsort(key, num_keys: int):
     return jnp.sort(key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)) % n
 
 
-@jax.custom_vjp
-def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="none"):
     """Dispatch, SwiGLU expert MLP and weighted combine over row blocks grouped by expert:
     y[t] = sum over slots j with token[j] = t of row_weight[j] * expert_e(x[t]) for every
     slot of blocks bounds[e]:bounds[e+1] (expert e), expert_e(v) = (silu(v @ Wg[e]) *
@@ -133,11 +140,28 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds):
     inputs and the layer scan stacks none of its activations. The router weight's gradient is
     rowsum(dL/d(weighted h) * h). Why this shape and not ragged_dot or a batched matmul:
     docs/performance.md, Grouped matmul.
+    fp8 (precision.fp8): tensorwise / blockwise run every matmul of a step on E4M3 operands
+    (kernels/fp8.fp8_matmul; gate and up quantised apart; the weight gradients' token tiles
+    are the step's rows, 128 at a time; tensorwise scales per step and per expert weight).
     """
-    return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds)[0]
+    return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8)[0]
 
 
-def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
+def _mm(a, b, fp8: str, b_tile: int = 128):
+    """a @ b with float32 accumulation: a plain dot (fp8 none) or fp8_matmul."""
+    if fp8 == "none":
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    return fp8_matmul(a, b, fp8, b_tile)
+
+
+def _gate_up(v, wgu, f: int, fp8: str):
+    """v @ [Wg | Wu] in v's dtype; under fp8 the two weights are quantised apart."""
+    if fp8 == "none":
+        return v @ wgu
+    return jnp.concatenate([_mm(v, wgu[:, :f], fp8), _mm(v, wgu[:, f:], fp8)], 1).astype(v.dtype)
+
+
+def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="none"):
     x, token, row_weight, w_gate, w_up, w_down, bounds = (
         jnp.asarray(a) for a in (x, token, row_weight, w_gate, w_up, w_down, bounds))
     res = (x, token, row_weight, w_gate, w_up, w_down, bounds)
@@ -149,17 +173,18 @@ def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds):
 
         def block(i, m, y):
             tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None]
-            gu = x[tok] @ wgu
+            gu = _gate_up(x[tok], wgu, f, fp8)
             h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
             hw = (h * w).astype(x.dtype)
-            return y.at[tok].add(jnp.dot(hw, wd, preferred_element_type=jnp.float32))
+            return y.at[tok].add(_mm(hw, wd, fp8))
         return _over_blocks(bounds[e], bounds[e + 1], block, carry)
     y = jax.lax.fori_loop(0, w_down.shape[0], expert,
                           jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32))
     return y, res
 
 
-def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_down, bounds):
+def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_down, bounds,
+                                fp8="none"):
     """block_expert_mlp's backward into float32 accumulators acc = (dx [T, D], d row_weight
     [N, bs], d w_gate, d w_up, d w_down) (their shapes as the inputs'): returns acc with the
     gradients added (d row_weight: set for the blocks in use, the rest kept). gy [T, D]: the output's cotangent. A caller that runs the kernel several
@@ -176,33 +201,35 @@ def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_d
             tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None].astype(jnp.float32)
             g = gy[tok].astype(x.dtype)
             xi = x[tok]
-            gu = (xi @ wgu).astype(jnp.float32)
+            gu = _gate_up(xi, wgu, f, fp8).astype(jnp.float32)
             gate, up = gu[:, :f], gu[:, f:]
             sig = jax.nn.sigmoid(gate)
             act = gate * sig  # silu
             h = act * up
-            dhw = jnp.dot(g, wd.T, preferred_element_type=jnp.float32)  # d(weighted h)
+            dhw = _mm(g, wd.T, fp8)  # d(weighted h)
             drw = jax.lax.dynamic_update_slice_in_dim(
                 drw, jnp.sum(dhw * h, axis=1).reshape(m, -1), i, 0)
             dh = dhw * w
             dgate = dh * up * (sig * (1 + gate * (1 - sig)))  # d silu = sig (1 + x (1 - sig))
             dgu = jnp.concatenate([dgate, dh * act], axis=1).astype(x.dtype)
-            dx = dx.at[tok].add(jnp.dot(dgu, wgu.T, preferred_element_type=jnp.float32))
+            dx = dx.at[tok].add(_mm(dgu, wgu.T, fp8) if fp8 == "none" else
+                                _mm(dgu[:, :f], wgu[:, :f].T, fp8)
+                                + _mm(dgu[:, f:], wgu[:, f:].T, fp8))
             # weight gradients sum over many blocks: added in place into float32 [E, ...]
             # accumulators whatever the dtype (no per-expert zero fill, add and copy-out)
             hw = (h * w).astype(x.dtype)
-            gwgu = jnp.dot(xi.T, dgu, preferred_element_type=jnp.float32)
+            gwgu = _mm(xi.T, dgu, fp8, b_tile=1)  # fp8: 128x1 tiles along the rows
             return (dx, drw, dwg.at[e].add(gwgu[:, :f]), dwu.at[e].add(gwgu[:, f:]),
-                    dwd.at[e].add(jnp.dot(hw.T, g, preferred_element_type=jnp.float32)))
+                    dwd.at[e].add(_mm(hw.T, g, fp8, b_tile=1)))
         return _over_blocks(bounds[e], bounds[e + 1], block, carry)
     return jax.lax.fori_loop(0, w_down.shape[0], expert, tuple(acc))
 
 
-def _block_expert_mlp_bwd(res, gy):
+def _block_expert_mlp_bwd(fp8, res, gy):
     x, token, row_weight, w_gate, w_up, w_down, bounds = res
     zeros = tuple(jnp.zeros((math.prod(x.shape[:-1]), x.shape[-1]) if a is x else a.shape,
                             jnp.float32) for a in (x, row_weight, w_gate, w_up, w_down))
-    dx, drw, dwg, dwu, dwd = block_expert_mlp_accumulate(zeros, gy, *res)
+    dx, drw, dwg, dwu, dwd = block_expert_mlp_accumulate(zeros, gy, *res, fp8)
     return (dx.astype(x.dtype).reshape(x.shape), None, drw.astype(row_weight.dtype),
             dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype), dwd.astype(w_down.dtype), None)
 
@@ -226,3 +253,51 @@ def _over_blocks(lo, hi, body, carry):
     n = (hi - lo) // GROUP
     carry = jax.lax.fori_loop(0, n, lambda j, c: body(lo + j * GROUP, GROUP, c), carry)
     return jax.lax.fori_loop(lo + n * GROUP, hi, lambda i, c: body(i, 1, c), carry)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def fp8_ragged_dot(x, w, sizes, mode: str):
+    """lax.ragged_dot(x [M, K], w [G, K, N], sizes [G]) -> [M, N] in x.dtype with E4M3
+    operands (mode tensorwise: one scale for x, one per expert weight; blockwise: x in 1x128
+    tiles, each expert's weight in 128x128 blocks, one 128-wide K block per ragged_dot, the
+    partials scaled and summed in float32). The input gradient runs the same on g and w^T. The
+    weight gradient quantises x and g along the tokens (128x1 tiles; tensorwise: one scale)
+    but contracts their dequantised float32 values (autodiff's ragged transpose of ragged_dot):
+    the same values as an FP8 GEMM, not its speed."""
+    return _ragged_fp8(x, w, sizes, mode).astype(x.dtype)
+
+
+def _ragged_fp8(x, w, sizes, mode):
+    """fp8_ragged_dot's product, float32 [M, N]."""
+    m, (g, _, n) = x.shape[0], w.shape
+    group = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(m), side="right"), g - 1)
+    tile = None if mode == "tensorwise" else (1, 128)
+    qx, sx = quantize(x, tile)
+    qw, sw = jax.vmap(lambda a: quantize(a, None if tile is None else (128, 128)))(w)
+    dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)  # noqa: E731
+    if mode == "tensorwise":
+        return dot(qx, qw) * sx[0, 0] * sw[group, 0, 0][:, None]
+    sw = jnp.repeat(sw, 128, axis=2)[:, :, :n]  # [G, KB, N]
+    y = jnp.zeros((m, n), jnp.float32)
+    for i in range(sx.shape[1]):  # K blocks: a static, short loop (K / 128)
+        part = dot(qx[:, i * 128:(i + 1) * 128], qw[:, i * 128:(i + 1) * 128])
+        y = y + part * sx[:, i, None] * sw[group, i]
+    return y
+
+
+def _fp8_ragged_fwd(x, w, sizes, mode):
+    return fp8_ragged_dot(x, w, sizes, mode), (x, w, sizes)
+
+
+def _fp8_ragged_bwd(mode, res, g):
+    x, w, sizes = res
+    dx = _ragged_fp8(g, jnp.swapaxes(w, 1, 2), sizes, mode).astype(x.dtype)
+    tile = None if mode == "tensorwise" else (128, 1)  # along the tokens
+    xd, gd = (dequantize(*quantize(a, tile), tile) for a in (x, g))
+    _, pull = jax.vjp(lambda v: jax.lax.ragged_dot(xd, v, sizes,
+                                                  preferred_element_type=jnp.float32),
+                      w.astype(jnp.float32))
+    return dx, pull(gd)[0].astype(w.dtype), None
+
+
+fp8_ragged_dot.defvjp(_fp8_ragged_fwd, _fp8_ragged_bwd)

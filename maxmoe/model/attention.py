@@ -5,12 +5,12 @@ MLA (mla.py) from the config."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
 from maxmoe.kernels.attention import attention_core, fused_attention
+from maxmoe.kernels.fp8 import project
 from maxmoe.model.layers import RMSNorm, param
 from maxmoe.model.mla import LatentAttention
 from maxmoe.model.rope import apply_rope
@@ -19,7 +19,7 @@ from maxmoe.sharding import shard
 
 class Attention(nnx.Module):
     def __init__(self, cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,
-                 norm_eps: float = 1e-6):
+                 norm_eps: float = 1e-6, fp8: str = "none"):
         h, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q = param(rngs, (dim, h, hd), ("embed", "heads", "head_dim"), std)
         self.k = param(rngs, (dim, kv, hd), ("embed", "kv_heads", "head_dim"), std)
@@ -28,7 +28,7 @@ class Attention(nnx.Module):
         # Qwen3: RMSNorm over each head's dims before RoPE keeps attention logits bounded
         self.q_norm = RMSNorm(hd, norm_eps, "head_dim") if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, norm_eps, "head_dim") if cfg.qk_norm else None
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.fp8 = cfg, dtype, fp8  # fp8: precision.fp8
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """x [B, S, D] -> [B, S, D]."""
@@ -36,7 +36,7 @@ class Attention(nnx.Module):
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
         heads = ("batch", "seq", "act_heads", None)
         with jax.named_scope("projection"):  # the profile's "attention: projections"
-            q, k, v = (jnp.einsum("bsd,dhk->bshk", x, c(w)) for w in (self.q, self.k, self.v))
+            q, k, v = (project(x, c(w), self.fp8, "bsd,dhk->bshk") for w in (self.q, self.k, self.v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = shard(apply_rope(q, positions, cfg), heads)
@@ -48,7 +48,7 @@ class Attention(nnx.Module):
         if cfg.implementation == "fused":
             out = shard(fused_attention(q, k, v, segment_ids), heads)
             with jax.named_scope("projection"):
-                out = jnp.einsum("bshk,hkd->bsd", out, c(self.o))
+                out = project(out, c(self.o), self.fp8, "bshk,hkd->bsd")
         else:
             groups = cfg.num_heads // cfg.num_kv_heads
             # query head h uses kv head h // G; the scale folded into q (4x smaller than scores)
@@ -58,14 +58,14 @@ class Attention(nnx.Module):
                                  cfg.causal_block_size).reshape(b, cfg.num_heads, s, -1)
             out = shard(out, ("batch", "act_heads", "seq", None))
             with jax.named_scope("projection"):
-                out = jnp.einsum("bhsk,hkd->bsd", out, c(self.o))
+                out = project(out, c(self.o), self.fp8, "bhsk,hkd->bsd")
         out = shard(out, ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")
 
 
 def make_attention(cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,
-                   norm_eps: float = 1e-6) -> nnx.Module:
+                   norm_eps: float = 1e-6, fp8: str = "none") -> nnx.Module:
     """GQA or MLA, as the config says; both map x [B, S, D] -> [B, S, D]."""
     if cfg.kind == "mla":
-        return LatentAttention(cfg, dim, std=std, dtype=dtype, rngs=rngs)
-    return Attention(cfg, dim, std=std, dtype=dtype, rngs=rngs, norm_eps=norm_eps)
+        return LatentAttention(cfg, dim, std=std, dtype=dtype, rngs=rngs, fp8=fp8)
+    return Attention(cfg, dim, std=std, dtype=dtype, rngs=rngs, norm_eps=norm_eps, fp8=fp8)

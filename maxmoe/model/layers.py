@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from maxmoe.kernels.fp8 import project
 from maxmoe.sharding import shard
 
 
@@ -76,14 +77,15 @@ class Embed(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(x @ gate) * (x @ up))."""
 
-    def __init__(self, dim: int, hidden: int, *, std: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, dim: int, hidden: int, *, std: float, dtype, rngs: nnx.Rngs,
+                 fp8: str = "none"):
         self.gate = param(rngs, (dim, hidden), ("embed", "mlp"), std)
         self.up = param(rngs, (dim, hidden), ("embed", "mlp"), std)
         self.down = param(rngs, (hidden, dim), ("mlp", "embed"), std)
-        self.dtype = dtype
+        self.dtype, self.fp8 = dtype, fp8  # fp8: precision.fp8 (kernels/fp8.py)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
-        h = jax.nn.silu(x @ c(self.gate)) * (x @ c(self.up))
+        h = jax.nn.silu(project(x, c(self.gate), self.fp8)) * project(x, c(self.up), self.fp8)
         h = shard(h, ("batch", "seq", "act_mlp"))
-        return shard(h @ c(self.down), ("batch", "seq", "act_embed"))
+        return shard(project(h, c(self.down), self.fp8), ("batch", "seq", "act_embed"))

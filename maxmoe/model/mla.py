@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
 from maxmoe.kernels.attention import attention_core, fused_attention
+from maxmoe.kernels.fp8 import project
 from maxmoe.model.layers import RMSNorm, param
 from maxmoe.model.rope import apply_rope, yarn_mscale
 from maxmoe.sharding import shard
@@ -33,7 +34,8 @@ def softmax_scale(cfg: AttentionConfig) -> float:
 
 
 class LatentAttention(nnx.Module):
-    def __init__(self, cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,
+                 fp8: str = "none"):
         h, nope, rope, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         if cfg.q_lora_rank:
             self.q_a = param(rngs, (dim, cfg.q_lora_rank), ("embed", "q_lora"), std)
@@ -49,7 +51,7 @@ class LatentAttention(nnx.Module):
         self.k_nope = param(rngs, (cfg.kv_lora_rank, h, nope), ("kv_lora", "heads", "head_dim"), std)
         self.v = param(rngs, (cfg.kv_lora_rank, h, dv), ("kv_lora", "heads", "head_dim"), std)
         self.o = param(rngs, (h, dv, dim), ("heads", "head_dim", "embed"), std)
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.fp8 = cfg, dtype, fp8  # fp8: precision.fp8
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array, positions: jax.Array) -> jax.Array:
         """x [B, S, D] -> [B, S, D]."""
@@ -58,15 +60,15 @@ class LatentAttention(nnx.Module):
         heads = ("batch", "seq", "act_heads", None)
         with jax.named_scope("projection"):  # the profile's "attention: projections"
             if self.q is not None:
-                q = jnp.einsum("bsd,dhk->bshk", x, c(self.q))
+                q = project(x, c(self.q), self.fp8, "bsd,dhk->bshk")
             else:
-                q_latent = shard(self.q_a_norm(x @ c(self.q_a)),  # [B, S, Q]
+                q_latent = shard(self.q_a_norm(project(x, c(self.q_a), self.fp8)),  # [B, S, Q]
                                  ("batch", "seq", None))
-                q = jnp.einsum("bsq,qhk->bshk", q_latent, c(self.q_b))
-            latent = shard(self.kv_a_norm(x @ c(self.kv_a)), ("batch", "seq", None))  # [B, T, C]
-            k_pe = (x @ c(self.k_rope))[:, :, None, :]
-            k_nope = shard(jnp.einsum("btc,chk->bthk", latent, c(self.k_nope)), heads)
-            v = shard(jnp.einsum("btc,chk->bthk", latent, c(self.v)), heads)
+                q = project(q_latent, c(self.q_b), self.fp8, "bsq,qhk->bshk")
+            latent = shard(self.kv_a_norm(project(x, c(self.kv_a), self.fp8)), ("batch", "seq", None))  # [B, T, C]
+            k_pe = project(x, c(self.k_rope), self.fp8)[:, :, None, :]
+            k_nope = shard(project(latent, c(self.k_nope), self.fp8, "btc,chk->bthk"), heads)
+            v = shard(project(latent, c(self.v), self.fp8, "btc,chk->bthk"), heads)
         q = shard(q, heads)
         q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         q_pe = apply_rope(q_pe, positions, cfg)
@@ -89,5 +91,5 @@ class LatentAttention(nnx.Module):
             out = shard(out[:, :, 0], ("batch", "act_heads", "seq", None))
             layout = "bhsk,hkd->bsd"
         with jax.named_scope("projection"):
-            out = shard(jnp.einsum(layout, out, c(self.o)), ("batch", "seq", "act_embed"))
+            out = shard(project(out, c(self.o), self.fp8, layout), ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")

@@ -15,19 +15,20 @@ from maxmoe.sharding import shard
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: MoEConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MoEConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,
+                 fp8: str = "none"):
         e, f = cfg.num_experts, cfg.expert_mlp_size
         self.router = param(rngs, (dim, e), ("embed", None), std)
         self.gate = param(rngs, (e, dim, f), ("experts", "embed", "expert_mlp"), std)
         self.up = param(rngs, (e, dim, f), ("experts", "embed", "expert_mlp"), std)
         self.down = param(rngs, (e, f, dim), ("experts", "expert_mlp", "embed"), std)
-        self.shared = (MLP(dim, f * cfg.num_shared_experts, std=std, dtype=dtype, rngs=rngs)
+        self.shared = (MLP(dim, f * cfg.num_shared_experts, std=std, dtype=dtype, rngs=rngs, fp8=fp8)
                        if cfg.num_shared_experts else None)
         # DeepSeek-V3 sigmoid routing selects with scores + bias (aux-loss-free balancing)
         self.bias = (RouterBias(jnp.zeros((e,), jnp.float32), axes=(None,),
                                 store_by_rules=True)
                      if cfg.router == "sigmoid" else None)
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.fp8 = cfg, dtype, fp8  # fp8: precision.fp8
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         """x [B, S, D] -> ([B, S, D], aux losses, expert load [E] and expert_idx [B, S, K])."""
@@ -41,7 +42,7 @@ class MoE(nnx.Module):
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
         y, stats = routed_experts(
             x, shard(idx, ("batch", "seq", None)), shard(weights, ("batch", "seq", None)),
-            c(self.gate), c(self.up), c(self.down), self.cfg)
+            c(self.gate), c(self.up), c(self.down), self.cfg, fp8=self.fp8)
         aux.update(stats)  # dropped_fraction, dispatch_rounds
         y = checkpoint_name(y, "moe_combine")
         if self.shared is not None:

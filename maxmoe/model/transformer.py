@@ -49,14 +49,14 @@ class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)); x + mlp(norm(x)); mlp dense or MoE."""
 
     def __init__(self, model: ModelConfig, attention: AttentionConfig, moe: MoEConfig | None,
-                 *, dtype, rngs: nnx.Rngs):
+                 *, dtype, rngs: nnx.Rngs, fp8: str = "none"):
         d, std = model.hidden_size, model.init_std
         self.attn_norm = RMSNorm(d, model.rms_norm_eps)
         self.attn = make_attention(attention, d, std=std, dtype=dtype, rngs=rngs,
-                                   norm_eps=model.rms_norm_eps)
+                                   norm_eps=model.rms_norm_eps, fp8=fp8)
         self.mlp_norm = RMSNorm(d, model.rms_norm_eps)
-        self.mlp = (MoE(moe, d, std=std, dtype=dtype, rngs=rngs) if moe is not None
-                    else MLP(d, model.dense_mlp_size, std=std, dtype=dtype, rngs=rngs))
+        self.mlp = (MoE(moe, d, std=std, dtype=dtype, rngs=rngs, fp8=fp8) if moe is not None
+                    else MLP(d, model.dense_mlp_size, std=std, dtype=dtype, rngs=rngs, fp8=fp8))
 
     def __call__(self, x, segment_ids, positions):
         # named scopes label the ops of each part in profiles (`maxmoe bench --profile`)
@@ -170,13 +170,13 @@ def _join(auxs: list[dict], key: str):
 
 class Transformer(nnx.Module):
     def __init__(self, model: ModelConfig, attention: AttentionConfig, moe: MoEConfig,
-                 *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+                 *, dtype=jnp.bfloat16, rngs: nnx.Rngs, fp8: str = "none"):
         self.cfg, self.moe_cfg = model, moe
         self.embed = Embed(model.vocab_size, model.hidden_size, std=model.init_std, dtype=dtype,
                            rngs=rngs)
 
         def block(is_moe: bool, r: nnx.Rngs) -> Block:
-            return Block(model, attention, moe if is_moe else None, dtype=dtype, rngs=r)
+            return Block(model, attention, moe if is_moe else None, dtype=dtype, rngs=r, fp8=fp8)
 
         groups = layer_groups(model)
         # scan_layers=false: each layer's params are its own arrays (checkpoints then hold
@@ -331,7 +331,8 @@ def build_model(cfg: Config, seed: int = 0) -> Transformer:
     """The Transformer of cfg's model, attention and MoE sections, computing in
     precision.compute_dtype, its params initialised from `seed`."""
     return Transformer(cfg.model, cfg.attention, cfg.moe,
-                       dtype=DTYPES[cfg.precision.compute_dtype], rngs=nnx.Rngs(seed))
+                       dtype=DTYPES[cfg.precision.compute_dtype], rngs=nnx.Rngs(seed),
+                       fp8=cfg.precision.fp8)
 
 
 @jax.custom_vjp

@@ -157,6 +157,7 @@ class Dispatched(NamedTuple):
 
 class Dispatcher:
     """Base: cfg (the MoE config) and shards (this device's place on the expert axes)."""
+    fp8 = "none"  # precision.fp8 of the expert GEMMs (kernels/fp8.py), set by routed_experts
 
     def __init__(self, cfg: MoEConfig, shards: ExpertShards | None = None):
         self.cfg, self.shards = cfg, shards or ExpertShards()
@@ -180,7 +181,8 @@ class AllGather(Dispatcher):
             x, expert_idx, weights = (jax.lax.all_gather(a, gathered, axis=0, tiled=True)
                                       for a in (x, expert_idx, weights))
         y = dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first,
-                           grouped_matmul=cfg.grouped_matmul, block_size=cfg.block_size)
+                           grouped_matmul=cfg.grouped_matmul, block_size=cfg.block_size,
+                           fp8=self.fp8)
         if gathered:
             y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
         return Dispatched(y, jnp.zeros((), jnp.int32), _one())
@@ -207,7 +209,7 @@ class AllToAll(Dispatcher):
         route = Route(axes=shards.gathered, group=n, k=k, num_local=num_local,
                       cap=max(1, math.ceil(cfg.transport_buffer_factor * t * k / n)),
                       ragged=self.ragged, grouped_matmul=resolve_kernel(cfg.grouped_matmul),
-                      block_size=cfg.block_size)
+                      block_size=cfg.block_size, fp8=self.fp8)
         with jax.named_scope("dispatch"):
             shard = expert_idx.reshape(-1) // num_local
             dst, mine = shards.destination(shard)

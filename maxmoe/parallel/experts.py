@@ -43,7 +43,8 @@ from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.sharding import current_mesh, mesh_axes
 
 
-def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig):
+def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
+                   fp8: str = "none"):
     """x [B, S, D]; expert_idx, weights [B, S, K]; expert weights [E, D, F] / [E, F, D].
 
     Returns (y [B, S, D] in x.dtype, stats): stats["dropped_fraction"] (of the (token, k)
@@ -51,6 +52,7 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
     devices). Picks the dispatcher (parallel/dispatch.py) by moe.dispatch and moe.transport.
     Without a mesh or on a one-device mesh no shard_map is built: its transpose would
     all-reduce the expert weight gradients over the size-1 axes, which XLA:CPU runs as copies.
+    fp8: precision.fp8, the expert GEMMs' FP8 mode (kernels/fp8.py), on every dispatcher.
     """
     b, s, d = x.shape
     total = b * s * expert_idx.shape[-1]
@@ -58,6 +60,7 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
     if mesh is None or mesh.size == 1:
         idx, w = expert_idx.reshape(b * s, -1), weights.reshape(b * s, -1)
         dispatcher = Capacity(cfg, seq_len=s) if cfg.dispatch == "capacity" else AllGather(cfg)
+        dispatcher.fp8 = fp8
         # x itself, not reshaped: the same array as the router's input, one residual for both
         y, dropped, rounds = dispatcher(x, idx, w, w_gate, w_up, w_down)
         return y.astype(x.dtype).reshape(b, s, d), _stats(dropped, rounds, total)
@@ -70,6 +73,7 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig)
                           gathered=tuple(a for a in ep if a in batch),
                           sync=tuple(a for a in batch + others if a in mesh.axis_names))
     dispatcher = _dispatcher(cfg, shards, mesh, s)
+    dispatcher.fp8 = fp8
     replicated = tuple(a for a in ep if a not in batch)  # tokens already present everywhere
     tok = P(batch or None, None, None)
     wspec_in = P(ep or None, None, tp or None)

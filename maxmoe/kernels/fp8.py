@@ -1,0 +1,134 @@
+"""FP8 (E4M3) training matmuls: quantise/dequantise and a linear whose three GEMMs (forward,
+input gradient, weight gradient) all run on E4M3 operands with float32 accumulation.
+
+Modes (precision.fp8):
+- `tensorwise`: one scale per operand tensor, *current* scaling (the amax of this very tensor,
+  taken when it is quantised; no amax history, so no scale state in the train state).
+- `blockwise`: DeepSeek-V3's fine-grained recipe: activations and output gradients in 1x128
+  tiles (per token, per 128 channels), weights in 128x128 blocks, and for the weight-gradient
+  GEMM both operands in 128x1 tiles along the token dim. The contraction runs one 128-wide
+  block at a time, each partial product scaled and summed in float32 (DeepSeek's promotion to
+  FP32 every 128 elements). A dim that is not a multiple of 128 ends in a partial block: its
+  scale is the amax of the elements it has (V3's 64-wide RoPE key, its 576-wide kv_a).
+
+Scales are float32, scale = amax / 448 (E4M3's largest finite value), 1 for an all-zero block;
+x ~ q * scale. E4M3 for gradients too (as DeepSeek-V3). Where the modes apply (attention
+projections, dense MLPs, shared and routed experts, never embedding / LM head / router / norms /
+attention core) is the model's business: it calls `project` at each projection.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+BLOCK = 128  # DeepSeek-V3's tile / block edge
+MODES = ("none", "tensorwise", "blockwise")
+
+
+def quantize(x: jax.Array, tile: tuple[int, int] | None) -> tuple[jax.Array, jax.Array]:
+    """x [M, N] -> (q [M, N] float8_e4m3fn, scale [ceil(M/r), ceil(N/c)] float32) for tiles of
+    (r, c) elements (None: one tile, the whole tensor); x ~ q * scale of its tile. Partial
+    tiles at the ends take the amax of the elements they hold."""
+    m, n = x.shape
+    r, c = tile if tile is not None else (m, n)
+    mb, nb = -(-m // r), -(-n // c)
+    xp = jnp.pad(x.astype(jnp.float32), ((0, mb * r - m), (0, nb * c - n)))
+    tiles = xp.reshape(mb, r, nb, c)
+    amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = jnp.clip(tiles / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return q.reshape(mb * r, nb * c)[:m, :n], scale
+
+
+def expand_scale(scale: jax.Array, tile: tuple[int, int], shape: tuple[int, int]) -> jax.Array:
+    """A [Mb, Nb] tile scale -> [M, N], each element its tile's scale."""
+    full = jnp.repeat(jnp.repeat(scale, tile[0], axis=0), tile[1], axis=1)
+    return full[:shape[0], :shape[1]]
+
+
+def dequantize(q: jax.Array, scale: jax.Array, tile: tuple[int, int] | None,
+               dtype=jnp.float32) -> jax.Array:
+    """quantize's inverse: q [M, N] E4M3 and its tile scales -> q * scale in dtype."""
+    tile = tile if tile is not None else q.shape
+    return (q.astype(jnp.float32) * expand_scale(scale, tile, q.shape)).astype(dtype)
+
+
+def fp8_matmul(a: jax.Array, b: jax.Array, mode: str, b_tile: int = BLOCK) -> jax.Array:
+    """a [M, K] @ b [K, N] on E4M3 operands, float32 result (not differentiable: fp8_dot and
+    the grouped kernels write the backward). tensorwise: one scale per operand, the float32
+    product rescaled once. blockwise: a in 1x128 tiles (per row, per 128 of K), b in
+    128 x b_tile blocks (128x128 for a weight; 1 for the weight gradient's 128x1 token tiles),
+    one 128-wide K block at a time, each partial product scaled and summed in float32."""
+    if mode == "tensorwise":
+        qa, sa = quantize(a, None)
+        qb, sb = quantize(b, None)
+        return jnp.dot(qa, qb, preferred_element_type=jnp.float32) * (sa[0, 0] * sb[0, 0])
+    assert mode == "blockwise", mode
+    (m, k), n = a.shape, b.shape[1]
+    kb = -(-k // BLOCK)
+    qa, sa = quantize(a, (1, BLOCK))  # sa [M, KB]
+    qb, sb = quantize(b, (BLOCK, b_tile))
+    sb = expand_scale(sb, (1, b_tile), (kb, n))  # [KB, N]
+    if kb == 1:
+        return jnp.dot(qa, qb, preferred_element_type=jnp.float32) * sa * sb
+    qa = jnp.pad(qa, ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK)
+    qb = jnp.pad(qb, ((0, kb * BLOCK - k), (0, 0))).reshape(kb, BLOCK, n)
+
+    def block(i, acc):
+        part = jnp.dot(qa[:, i], qb[i], preferred_element_type=jnp.float32)
+        return acc + part * sa[:, i, None] * sb[i][None, :]
+    return jax.lax.fori_loop(0, kb, block, jnp.zeros((m, n), jnp.float32), unroll=kb <= 8)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_dot(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x.dtype, the forward on E4M3 operands and the
+    backward's input gradient (g @ w^T: g in 1x128 tiles, w in the forward's 128x128 blocks)
+    and weight gradient (x^T @ g: both in 128x1 tiles along the tokens) too; float32
+    accumulation throughout (fp8_matmul). mode: tensorwise | blockwise."""
+    return _fp8_dot_fwd(x, w, mode)[0]
+
+
+def _fp8_dot_fwd(x, w, mode):
+    y = fp8_matmul(x.reshape(-1, x.shape[-1]), w, mode)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[1]), (x, w)
+
+
+def _fp8_dot_bwd(mode, res, g):
+    x, w = res
+    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    dx = fp8_matmul(g2, w.T, mode)
+    dw = fp8_matmul(x2.T, g2, mode, b_tile=1)
+    return dx.astype(x.dtype).reshape(x.shape), dw.astype(w.dtype)
+
+
+fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def project(x: jax.Array, w: jax.Array, mode: str = "none", spec: str | None = None) -> jax.Array:
+    """A projection: x @ w (spec None) or jnp.einsum(spec, x, w) when mode is none; otherwise
+    the same contraction through fp8_dot, with x's contracted dims flattened in w's order and
+    w as [contracted, free] (blocks run over the flattened dims, as in DeepSeek's [out, in]
+    FP8 checkpoints). spec: a plain two-operand einsum, no ellipsis."""
+    if mode == "none":
+        return x @ w if spec is None else jnp.einsum(spec, x, w)
+    if spec is None:
+        return fp8_dot(x, w, mode)
+    inputs, out = spec.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    contract = [c for c in rhs if c in lhs and c not in out]
+    keep = [c for c in lhs if c not in contract]
+    free = [c for c in rhs if c not in contract]
+    size = dict(zip(lhs, x.shape, strict=True)) | dict(zip(rhs, w.shape, strict=True))
+    xt = jnp.einsum(f"{lhs}->{''.join(keep + contract)}", x)
+    xt = xt.reshape(*xt.shape[:len(keep)], -1)
+    wt = jnp.einsum(f"{rhs}->{''.join(contract + free)}", w)
+    y = fp8_dot(xt, wt.reshape(math.prod(size[c] for c in contract), -1), mode)
+    y = y.reshape(*y.shape[:-1], *(size[c] for c in free))
+    return jnp.einsum(f"{''.join(keep + free)}->{out}", y)
