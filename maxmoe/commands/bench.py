@@ -91,6 +91,20 @@ def run_sweep(args) -> int:
     return 0
 
 
+def mfu_lines(r: dict) -> list[str]:
+    """The MFU line of a bench result; with precision.fp8 on, the class split and the total
+    over each peak alone on a second line (metrics.flops.MFU_CONVENTION)."""
+    line = f"MFU            {100 * r['mfu']:.1f}% of {r['peak_flops']:.3e} FLOP/s ({r['peak_source']})"
+    if r["precision_fp8"] == "none":
+        return [line]
+    share = r["model_flops_fp8_per_step"] / r["model_flops_per_step"]
+    return [f"MFU            {100 * r['mfu']:.1f}% ({r['mfu_convention']}): {100 * share:.1f}% of "
+            f"the FLOPs fp8 {r['precision_fp8']} at {r['peak_flops_fp8']:.3e} FLOP/s "
+            f"({r['peak_source_fp8']}), the rest at {r['peak_flops']:.3e} ({r['peak_source']})",
+            f"               {100 * r['mfu_vs_bf16_peak']:.1f}% of the bf16 peak alone, "
+            f"{100 * r['mfu_vs_fp8_peak']:.1f}% of the fp8 peak alone"]
+
+
 def run(args) -> int:
     """Times one config (or a --sweep); prints the figures, then one JSON line. Exit 0."""
     if args.sweep:
@@ -113,10 +127,10 @@ def run(args) -> int:
         f"(min {1e3 * r['step_time_min_s']:.1f}, max {1e3 * r['step_time_max_s']:.1f})",
         f"tokens/s       {r['tokens_per_second']:.0f}",
         f"model FLOPs    {r['model_flops_per_step']:.3e} per step ({r['flop_convention']})",
-        f"MFU            {100 * r['mfu']:.1f}% of {r['peak_flops']:.3e} FLOP/s ({r['peak_source']})",
+        *mfu_lines(r),
     ]
     if "peak_bytes" in r:
-        lines.append(memory_line(r))
+        lines.append(memory_line(r, r["precision_fp8"]))
     if "device_peak_bytes" in r:
         lines.append(f"device peak    {r['device_peak_bytes'] / gib:.3f} GiB in use at most "
                      "(the device's own count)")
