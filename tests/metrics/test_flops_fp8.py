@@ -2,12 +2,17 @@
 the causal FLOP count split into an FP8 and a BF16 class, each against its own peak; with
 fp8 = none every figure is what it was before the split."""
 
+import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from maxmoe.bench import memory_line, mfu_figures
 from maxmoe.config import load_config
+from maxmoe.kernels.fp8 import fp8_dot
 from maxmoe.metrics.flops import (
     effective_peak,
     flops_by_precision,
@@ -137,3 +142,51 @@ def test_planner_fp8_compute_peak_keeps_v3_calibration():
     fp8_step = step_time(flops, cluster.devices, cluster, {}, 0.0, efficiency=eff, peak=peak)
     bf16_step = step_time(flops, cluster.devices, cluster, {}, 0.0)
     assert fp8_step.compute_s == pytest.approx(bf16_step.compute_s, rel=1e-12)
+
+
+TOOL = Path(__file__).parents[2] / "tools" / "fp8_hlo.py"
+spec = importlib.util.spec_from_file_location("fp8_hlo", TOOL)
+fp8_hlo = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fp8_hlo)
+
+# the shape of XLA:GPU's optimized HLO for fp8_dot tensorwise (deviceless H200 compile): a
+# Triton GEMM fusion whose dot names its f8 parameters without types; the same parameter names
+# in another computation are bf16; a cuBLASLt FP8 custom call as a real GPU's autotuner may pick
+HLO = """
+%gemm_fusion_dot (parameter_0: f8e4m3fn[64,32], parameter_1: f8e4m3fn[32,16]) -> f32[64,16] {
+  %parameter_0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %parameter_1 = f8e4m3fn[32,16]{0,1} parameter(1)
+  ROOT %dot_general.0 = f32[64,16]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}
+}
+
+%plain (parameter_0: bf16[64,32], parameter_1: bf16[32,16]) -> f32[64,16] {
+  %parameter_0 = bf16[64,32]{1,0} parameter(0)
+  %parameter_1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,16]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}
+}
+
+ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> f32[64,16] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %q = f8e4m3fn[64,32]{1,0} convert(%a)
+  %c = (f32[64,16]{1,0}, s8[0]{0}) custom-call(%q, %q), custom_call_target="__cublas$lt$matmul$f8"
+  ROOT %g = bf16[64,16]{1,0} ragged-dot(%a, %b), lhs_contracting_dims={1}
+}
+"""
+
+
+def test_fp8_counts_resolves_operand_types_per_computation():
+    counts = fp8_hlo.fp8_counts(HLO)
+    assert counts["dots"] == 2 and counts["f8_dots"] == 1  # the bf16 one's names collide
+    assert counts["ragged_dots"] == 1 and counts["f8_ragged_dots"] == 0
+    assert counts["custom_call __cublas$lt$matmul$f8"] == 1
+    assert counts["f8_values"] == 3  # the two f8 parameters and the convert
+
+
+def test_fp8_counts_of_a_cpu_compile_sees_the_quantisation():
+    """XLA:CPU upcasts FP8 dots, but the E4M3 converts are there; a bf16 dot has none."""
+    x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
+    fp8 = fp8_hlo.fp8_counts(jax.jit(lambda a, b: fp8_dot(a, b, "tensorwise"))
+                             .lower(x, w).compile().as_text())
+    plain = fp8_hlo.fp8_counts(jax.jit(lambda a, b: a @ b).lower(x, w).compile().as_text())
+    assert fp8["f8_values"] > 0 and fp8["dots"] >= 1
+    assert plain["f8_values"] == 0 and plain["f8_dots"] == 0 and plain["dots"] == 1
