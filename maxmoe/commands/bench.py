@@ -53,10 +53,13 @@ def add_parser(subparsers) -> None:
 
 def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
     """One line per swept value: median step time, its paired ratio to the first value (median
-    over rounds, see benchmark_interleaved), MFU, memory per device in MiB."""
+    over rounds, see benchmark_interleaved), MFU, memory per device in MiB; where a value runs
+    FP8 GEMMs, tokens/s and MFU against the bf16 and the fp8 peak alone too."""
     mib = 2.0 ** 20
+    fp8 = any(r["precision_fp8"] != "none" for _, r in rows)
     lines = [f"{key:<20} {'step ms':>9} {'ratio':>6} {'MFU':>6} {'args MiB':>9} {'out MiB':>9} "
-             f"{'temp MiB':>9} {'peak MiB':>9} {'host MiB':>9}"]
+             f"{'temp MiB':>9} {'peak MiB':>9} {'host MiB':>9}"
+             + (f" {'tokens/s':>9} {'MFU bf16':>8} {'MFU fp8':>8}" if fp8 else "")]
     for value, r in rows:
         host = r.get("host_argument_bytes", 0) + r.get("host_output_bytes", 0) + r.get(
             "host_temp_bytes", 0)
@@ -64,7 +67,9 @@ def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
         lines.append(f"{value:<20} {ms:>9.1f} {ratio:>6.3f} {100 * r['mfu']:>5.1f}% "
                      + " ".join(f"{r.get(k, 0) / mib:>9.2f}" for k in (
                          "argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"))
-                     + f" {host / mib:>9.2f}")
+                     + f" {host / mib:>9.2f}"
+                     + (f" {r['tokens_per_second']:>9.0f} {100 * r['mfu_vs_bf16_peak']:>7.1f}% "
+                        f"{100 * r['mfu_vs_fp8_peak']:>7.1f}%" if fp8 else ""))
     return "\n".join(lines)
 
 
