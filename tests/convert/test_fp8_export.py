@@ -1,0 +1,65 @@
+"""FP8 training and checkpoints (issue 28, bad input): an FP8-trained run keeps float32 master
+weights, so `convert to-hf` exports it in BF16 like any run; a BF16 checkpoint resumes with
+precision.fp8=blockwise (current scaling: no scale state to restore, fresh scales every step)."""
+
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from maxmoe.cli import main
+from maxmoe.config import load_config
+from maxmoe.convert.checkpoint_io import restore_params
+from maxmoe.convert.hf_config import family_for
+from maxmoe.convert.names import hub_tensors, params_to_hub
+from maxmoe.convert.safetensors_io import SafetensorsReader
+from maxmoe.train.loop import train
+from maxmoe.validation import validate
+from tests.helpers import small_config
+
+COMMON = ["model.vocab_size=512", "precision.compute_dtype=bfloat16", "optimizer.warmup_steps=1",
+          "checkpoint.every_steps=2", "logging.every_steps=1", "logging.progress_bar=false",
+          "checkpoint.async_save=false"]
+
+
+def _train(run_dir, steps: int, fp8: str) -> dict:
+    cfg, origins = small_config(*COMMON, f"train.steps={steps}", f"precision.fp8={fp8}",
+                                f"run.dir={run_dir}")
+    return train(cfg, validate(cfg, jax.device_count(), origins))
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl")
+                                              .read_text().splitlines()) if "loss" in r}
+
+
+@pytest.mark.slow
+def test_fp8_run_exports_bf16_and_bf16_checkpoint_resumes_in_fp8(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MAXMOE_CACHE", str(tmp_path / "cache"))
+    fp8_run = tmp_path / "fp8"
+    _train(fp8_run, 2, "blockwise")
+    cfg, _ = load_config([str(fp8_run / "config.yaml")])
+    assert cfg.precision.fp8 == "blockwise"
+    params = restore_params(fp8_run, cfg)
+    assert {a.dtype for a in jax.tree.leaves(params)} == {np.dtype(np.float32)}  # master weights
+    assert main(["convert", "to-hf", str(fp8_run), str(tmp_path / "hf")]) == 0
+    reader = SafetensorsReader(tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    for tensor in hub_tensors(cfg, family_for(cfg)):
+        got = np.array(reader.raw(tensor.name))
+        assert got.dtype == ml_dtypes.bfloat16, tensor.name
+        # the float32 master weight rounded to bf16, bit for bit
+        want = params_to_hub(tensor, params).astype(ml_dtypes.bfloat16)
+        assert got.tobytes() == want.tobytes(), tensor.name
+
+    bf16_run = tmp_path / "bf16"
+    _train(bf16_run, 2, "none")
+    resumed = _train(bf16_run, 4, "blockwise")
+    assert (resumed["start_step"], resumed["final_step"]) == (2, 4)
+    losses = _losses(bf16_run)
+    assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(list(losses.values())))
+    cfg, _ = load_config([str(bf16_run / "config.yaml")])
+    assert cfg.precision.fp8 == "blockwise"  # the resumed run's own config
+    capsys.readouterr()
