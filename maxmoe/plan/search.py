@@ -285,9 +285,10 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
     bubble = pipeline_idle(cfg.model, layout.sizes["pipeline"])  # with chunk padding
-    peak, efficiency = compute_peak(flops, 6.0 * fp8_params_per_token(cfg) * tokens, cluster)
+    flop_peak, efficiency = compute_peak(flops, 6.0 * fp8_params_per_token(cfg) * tokens,
+                                         cluster)
     step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state), bubble,
-                     efficiency=efficiency, peak=peak)
+                     efficiency=efficiency, peak=flop_peak)
     return Estimate(layout, state.total, temporaries, peak, step.step_s,
                     peak <= cluster.usable_bytes)
 
