@@ -65,15 +65,26 @@ def fp8_matmul(a: jax.Array, b: jax.Array, mode: str, b_tile: int = BLOCK) -> ja
     product rescaled once. blockwise: a in 1x128 tiles (per row, per 128 of K), b in
     128 x b_tile blocks (128x128 for a weight; 1 for the weight gradient's 128x1 token tiles),
     one 128-wide K block at a time, each partial product scaled and summed in float32."""
+    qb, sb = quantize(b, _tile(mode, (BLOCK, b_tile)))
+    return scaled_matmul(a, qb, sb, mode, b_tile)
+
+
+def _tile(mode: str, tile: tuple[int, int]) -> tuple[int, int] | None:
+    """The tile of a blockwise operand; None (the whole tensor) for tensorwise."""
+    assert mode in ("tensorwise", "blockwise"), mode
+    return tile if mode == "blockwise" else None
+
+
+def scaled_matmul(a: jax.Array, qb: jax.Array, sb: jax.Array, mode: str,
+                  b_tile: int = BLOCK) -> jax.Array:
+    """fp8_matmul with b already quantised (qb [K, N] E4M3, sb its scales in 128 x b_tile
+    blocks, or [1, 1] for tensorwise): a is quantised here. float32 [M, N]."""
     if mode == "tensorwise":
         qa, sa = quantize(a, None)
-        qb, sb = quantize(b, None)
         return jnp.dot(qa, qb, preferred_element_type=jnp.float32) * (sa[0, 0] * sb[0, 0])
-    assert mode == "blockwise", mode
-    (m, k), n = a.shape, b.shape[1]
+    (m, k), n = a.shape, qb.shape[1]
     kb = -(-k // BLOCK)
     qa, sa = quantize(a, (1, BLOCK))  # sa [M, KB]
-    qb, sb = quantize(b, (BLOCK, b_tile))
     sb = expand_scale(sb, (1, b_tile), (kb, n))  # [KB, N]
     if kb == 1:
         return jnp.dot(qa, qb, preferred_element_type=jnp.float32) * sa * sb
@@ -91,21 +102,33 @@ def fp8_dot(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in x.dtype, the forward on E4M3 operands and the
     backward's input gradient (g @ w^T: g in 1x128 tiles, w in the forward's 128x128 blocks)
     and weight gradient (x^T @ g: both in 128x1 tiles along the tokens) too; float32
-    accumulation throughout (fp8_matmul). mode: tensorwise | blockwise."""
+    accumulation throughout (fp8_matmul). mode: tensorwise | blockwise.
+    Residuals: the forward's quantised w and its scales (the input gradient reuses them, so
+    the weight is quantised, and under FSDP gathered, once per step), and x itself (blockwise:
+    its token tiles differ from the forward's) or, tensorwise, x in E4M3 with its scale."""
     return _fp8_dot_fwd(x, w, mode)[0]
 
 
 def _fp8_dot_fwd(x, w, mode):
-    y = fp8_matmul(x.reshape(-1, x.shape[-1]), w, mode)
-    return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[1]), (x, w)
+    x2 = x.reshape(-1, x.shape[-1])
+    qw, sw = quantize(w, _tile(mode, (BLOCK, BLOCK)))
+    y = scaled_matmul(x2, qw, sw, mode).astype(x.dtype).reshape(*x.shape[:-1], w.shape[1])
+    xres = quantize(x2, None) if mode == "tensorwise" else x2
+    # zero-size arrays carry the dtypes (residuals must be arrays)
+    return y, (xres, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
 def _fp8_dot_bwd(mode, res, g):
-    x, w = res
-    x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    dx = fp8_matmul(g2, w.T, mode)
-    dw = fp8_matmul(x2.T, g2, mode, b_tile=1)
-    return dx.astype(x.dtype).reshape(x.shape), dw.astype(w.dtype)
+    xres, qw, sw, xdt, wdt = res
+    g2 = g.reshape(-1, g.shape[-1])
+    dx = scaled_matmul(g2, qw.T, sw.T, mode)
+    if mode == "tensorwise":
+        qx, sx = xres
+        qg, sg = quantize(g2, None)
+        dw = jnp.dot(qx.T, qg, preferred_element_type=jnp.float32) * (sx[0, 0] * sg[0, 0])
+    else:
+        dw = fp8_matmul(xres.T, g2, mode, b_tile=1)
+    return dx.astype(xdt.dtype).reshape(*g.shape[:-1], qw.shape[0]), dw.astype(wdt.dtype)
 
 
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
