@@ -66,16 +66,27 @@ def memory_analysis(compiled) -> dict[str, int]:
 def memory_line(memory: dict[str, int], fp8: str = "none") -> str:
     """The one-line account of memory_analysis' figures that `maxmoe bench` and `maxmoe train
     --dry-run` print: peak = arguments + outputs - aliased + temporaries, GiB per device.
-    fp8 (precision.fp8) other than none adds what FP8 saves: nothing, since kernels/fp8.py's
-    GEMMs keep their bf16 inputs for the backward and quantise them again there."""
+    fp8 (precision.fp8) other than none adds what FP8 saves (FP8_MEMORY): kernels/fp8.py's
+    fp8_dot keeps its input x for the backward in E4M3 under tensorwise (1 byte, not 2) and in
+    bf16 under blockwise (the weight gradient's 128x1 token tiles differ from the forward's
+    1x128); the routed experts keep bf16 inputs in both modes."""
     gib = 2.0**30
     line = (f"memory/device  peak {memory['peak_bytes'] / gib:.3f} GiB = arguments "
             f"{memory['argument_bytes'] / gib:.3f} + outputs {memory['output_bytes'] / gib:.3f} "
             f"- aliased {memory['alias_bytes'] / gib:.3f} + temporaries "
             f"{memory['temp_bytes'] / gib:.3f}")
     if fp8 != "none":
-        line += f"; fp8 {fp8}: none saved (bf16 activations kept for the backward)"
+        line += f"; fp8 {fp8}: {FP8_MEMORY[fp8]}"
     return line
+
+
+# what FP8 saves of the activations kept for the backward, per precision.fp8 mode
+FP8_MEMORY = {
+    "tensorwise": "projection and dense/shared MLP inputs kept for the backward in E4M3 (half "
+                  "their bf16 bytes, where the remat policy keeps them); routed experts: none "
+                  "saved",
+    "blockwise": "none saved (bf16 activations kept for the backward)",
+}
 
 
 def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int, profile_dir: str = "") -> dict:

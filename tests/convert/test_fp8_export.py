@@ -1,6 +1,6 @@
-"""FP8 training and checkpoints (issue 28, bad input): an FP8-trained run keeps float32 master
-weights, so `convert to-hf` exports it in BF16 like any run; a BF16 checkpoint resumes with
-precision.fp8=blockwise (current scaling: no scale state to restore, fresh scales every step)."""
+"""FP8 training and export (issue 28, bad input): an FP8-trained run keeps float32 master
+weights, so `convert to-hf` exports it in BF16 like any run. (A BF16 checkpoint resuming in FP8:
+tests/kernels/test_fp8.py::test_bf16_checkpoint_resumes_in_fp8.)"""
 
 import json
 
@@ -30,13 +30,8 @@ def _train(run_dir, steps: int, fp8: str) -> dict:
     return train(cfg, validate(cfg, jax.device_count(), origins))
 
 
-def _losses(run_dir) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl")
-                                              .read_text().splitlines()) if "loss" in r}
-
-
 @pytest.mark.slow
-def test_fp8_run_exports_bf16_and_bf16_checkpoint_resumes_in_fp8(tmp_path, monkeypatch, capsys):
+def test_fp8_run_exports_bf16(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MAXMOE_CACHE", str(tmp_path / "cache"))
     fp8_run = tmp_path / "fp8"
     _train(fp8_run, 2, "blockwise")
@@ -49,17 +44,9 @@ def test_fp8_run_exports_bf16_and_bf16_checkpoint_resumes_in_fp8(tmp_path, monke
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     for tensor in hub_tensors(cfg, family_for(cfg)):
         got = np.array(reader.raw(tensor.name))
-        assert got.dtype == ml_dtypes.bfloat16, tensor.name
-        # the float32 master weight rounded to bf16, bit for bit
-        want = params_to_hub(tensor, params).astype(ml_dtypes.bfloat16)
-        assert got.tobytes() == want.tobytes(), tensor.name
-
-    bf16_run = tmp_path / "bf16"
-    _train(bf16_run, 2, "none")
-    resumed = _train(bf16_run, 4, "blockwise")
-    assert (resumed["start_step"], resumed["final_step"]) == (2, 4)
-    losses = _losses(bf16_run)
-    assert sorted(losses) == [1, 2, 3, 4] and all(np.isfinite(list(losses.values())))
-    cfg, _ = load_config([str(bf16_run / "config.yaml")])
-    assert cfg.precision.fp8 == "blockwise"  # the resumed run's own config
+        # the float32 master weight rounded to bf16, bit for bit (DeepSeek's router bias stays
+        # float32, as in the hub files)
+        dtype = np.float32 if tensor.name.endswith("e_score_correction_bias") else ml_dtypes.bfloat16
+        want = params_to_hub(tensor, params).astype(dtype)
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), tensor.name
     capsys.readouterr()

@@ -117,11 +117,12 @@ def test_cpu_fp8_peak_falls_back_to_the_bf16_one():
     assert rate == bf16[0] and "no fp8 peak known" in source
 
 
-def test_memory_line_says_fp8_saves_nothing():
+def test_memory_line_says_what_fp8_saves():
     memory = dict(peak_bytes=2**30, argument_bytes=2**29, output_bytes=2**29, alias_bytes=2**29,
                   temp_bytes=2**29)
     assert "fp8" not in memory_line(memory)
     assert "fp8 blockwise: none saved" in memory_line(memory, "blockwise")
+    assert "E4M3 (half their bf16 bytes" in memory_line(memory, "tensorwise")
 
 
 def test_planner_fp8_compute_peak_keeps_v3_calibration():
