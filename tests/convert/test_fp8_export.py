@@ -17,22 +17,25 @@ from maxmoe.convert.names import hub_tensors, params_to_hub
 from maxmoe.convert.safetensors_io import SafetensorsReader
 from maxmoe.train.loop import train
 from maxmoe.validation import validate
-from tests.helpers import small_config
 
-COMMON = ["model.vocab_size=512", "precision.compute_dtype=bfloat16", "optimizer.warmup_steps=1",
-          "checkpoint.every_steps=2", "logging.every_steps=1", "logging.progress_bar=false",
-          "checkpoint.async_save=false"]
+# the tiny DeepSeek-V3 (a hub family: deepseek_v3), cut to 1 dense + 1 MoE layer and its MTP
+# depth, on 8 data-parallel fake devices
+FILES = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml"]
+COMMON = ["model.num_layers=2", "precision.compute_dtype=bfloat16", "mesh.data=-1",
+          "mesh.fsdp=1", "mesh.expert=1", "data.seq_len=64", "data.global_batch_size=8",
+          "optimizer.warmup_steps=1", "checkpoint.every_steps=2", "logging.every_steps=1",
+          "logging.progress_bar=false", "checkpoint.async_save=false",
+          "train.eval_every_steps=0"]
 
 
 def _train(run_dir, steps: int, fp8: str) -> dict:
-    cfg, origins = small_config(*COMMON, f"train.steps={steps}", f"precision.fp8={fp8}",
-                                f"run.dir={run_dir}")
+    cfg, origins = load_config(FILES, [*COMMON, f"train.steps={steps}", f"precision.fp8={fp8}",
+                                       f"run.dir={run_dir}"])
     return train(cfg, validate(cfg, jax.device_count(), origins))
 
 
 @pytest.mark.slow
-def test_fp8_run_exports_bf16(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("MAXMOE_CACHE", str(tmp_path / "cache"))
+def test_fp8_run_exports_bf16(tmp_path, capsys):
     fp8_run = tmp_path / "fp8"
     _train(fp8_run, 2, "blockwise")
     cfg, _ = load_config([str(fp8_run / "config.yaml")])
