@@ -44,7 +44,8 @@ def test_fp8_run_exports_bf16(tmp_path, capsys):
     assert {a.dtype for a in jax.tree.leaves(params)} == {np.dtype(np.float32)}  # master weights
     assert main(["convert", "to-hf", str(fp8_run), str(tmp_path / "hf")]) == 0
     reader = SafetensorsReader(tmp_path / "hf")
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["dtype"] == "bfloat16" and "quantization_config" not in hf  # not an FP8 checkpoint
     for tensor in hub_tensors(cfg, family_for(cfg)):
         got = np.array(reader.raw(tensor.name))
         # the float32 master weight rounded to bf16, bit for bit (DeepSeek's router bias stays
