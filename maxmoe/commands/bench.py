@@ -103,7 +103,7 @@ def mfu_lines(r: dict) -> list[str]:
     if r["precision_fp8"] == "none":
         return [line]
     share = r["model_flops_fp8_per_step"] / r["model_flops_per_step"]
-    return [f"MFU            {100 * r['mfu']:.1f}% ({r['mfu_convention']}): {100 * share:.1f}% of "
+    return [f"MFU            {100 * r['mfu']:.1f}% per matmul class: {100 * share:.1f}% of "
             f"the FLOPs fp8 {r['precision_fp8']} at {r['peak_flops_fp8']:.3e} FLOP/s "
             f"({r['peak_source_fp8']}), the rest at {r['peak_flops']:.3e} ({r['peak_source']})",
             f"               {100 * r['mfu_vs_bf16_peak']:.1f}% of the bf16 peak alone, "
