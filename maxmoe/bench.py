@@ -16,7 +16,15 @@ import jax
 import numpy as np
 
 from maxmoe import malloc
-from maxmoe.metrics.flops import FLOP_CONVENTION, peak_flops, peak_meter
+from maxmoe.metrics.flops import (
+    FLOP_CONVENTION,
+    MFU_CONVENTION,
+    fp8_params_per_token,
+    fp8_peak_flops,
+    mfu,
+    peak_flops,
+    peak_meter,
+)
 from maxmoe.metrics.profile import breakdown
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.setup import prepare_run
@@ -55,14 +63,30 @@ def memory_analysis(compiled) -> dict[str, int]:
     return out
 
 
-def memory_line(memory: dict[str, int]) -> str:
+def memory_line(memory: dict[str, int], fp8: str = "none") -> str:
     """The one-line account of memory_analysis' figures that `maxmoe bench` and `maxmoe train
-    --dry-run` print: peak = arguments + outputs - aliased + temporaries, GiB per device."""
+    --dry-run` print: peak = arguments + outputs - aliased + temporaries, GiB per device.
+    fp8 (precision.fp8) other than none adds what FP8 saves (FP8_MEMORY): kernels/fp8.py's
+    fp8_dot keeps its input x for the backward in E4M3 under tensorwise (1 byte, not 2) and in
+    bf16 under blockwise (the weight gradient's 128x1 token tiles differ from the forward's
+    1x128); the routed experts keep bf16 inputs in both modes."""
     gib = 2.0**30
-    return (f"memory/device  peak {memory['peak_bytes'] / gib:.3f} GiB = arguments "
+    line = (f"memory/device  peak {memory['peak_bytes'] / gib:.3f} GiB = arguments "
             f"{memory['argument_bytes'] / gib:.3f} + outputs {memory['output_bytes'] / gib:.3f} "
             f"- aliased {memory['alias_bytes'] / gib:.3f} + temporaries "
             f"{memory['temp_bytes'] / gib:.3f}")
+    if fp8 != "none":
+        line += f"; fp8 {fp8}: {FP8_MEMORY[fp8]}"
+    return line
+
+
+# what FP8 saves of the activations kept for the backward, per precision.fp8 mode
+FP8_MEMORY = {
+    "tensorwise": "projection and dense/shared MLP inputs kept for the backward in E4M3 (half "
+                  "their bf16 bytes, where the remat policy keeps them); routed experts: none "
+                  "saved",
+    "blockwise": "none saved (bf16 activations kept for the backward)",
+}
 
 
 def benchmark(cfg, mesh_sizes, *, steps: int, warmup: int, profile_dir: str = "") -> dict:
@@ -99,7 +123,8 @@ def benchmark_interleaved(variants, *, steps: int, warmup: int,
     for run in runs:
         dtype = run["setup"].cfg.precision.compute_dtype  # bfloat16 against a bfloat16 matmul
         peaks[dtype] = peaks.get(dtype) or peak_flops(run["setup"].cfg, meters[dtype])
-        results.append(result(run, base, steps, peaks[dtype]))
+        fp8_peak = fp8_peak_flops(run["setup"].cfg, peaks[dtype])
+        results.append(result(run, base, steps, peaks[dtype], fp8_peak))
         if breakdown is not None and run is runs[0]:
             results[-1]["profile"] = breakdown
     return results
@@ -175,20 +200,36 @@ def profile_unlogged(run: dict, done: int, profile_dir: str) -> dict[str, list[d
         return profile_steps(run["compiled"], run["holder"]["state"], run["batch"], profile_dir)
 
 
-def result(run: dict, base: np.ndarray, steps: int, peak: tuple[float, str]) -> dict:
+def mfu_figures(setup, step_time: float, peak: tuple[float, str],
+                fp8_peak: tuple[float, str]) -> dict:
+    """The MFU keys of a result: `mfu` (metrics.flops.MFU_CONVENTION: FP8-class FLOPs over
+    the FP8 peak, the rest over the bf16 one), the FP8 class's FLOPs per step, and the total
+    over each peak alone (mfu_vs_bf16_peak equals mfu when precision.fp8 is none)."""
+    fp8 = 6.0 * fp8_params_per_token(setup.cfg) * setup.tokens_per_step
+    flops = {"bf16": setup.model_flops - fp8, "fp8": fp8}
+    return {"mfu": mfu(flops, step_time, {"bf16": peak[0], "fp8": fp8_peak[0]}),
+            "mfu_convention": MFU_CONVENTION, "model_flops_fp8_per_step": fp8,
+            "mfu_vs_bf16_peak": setup.model_flops / step_time / peak[0],
+            "mfu_vs_fp8_peak": setup.model_flops / step_time / fp8_peak[0],
+            "peak_flops": peak[0], "peak_source": peak[1],
+            "peak_flops_fp8": fp8_peak[0], "peak_source_fp8": fp8_peak[1]}
+
+
+def result(run: dict, base: np.ndarray, steps: int, peak: tuple[float, str],
+           fp8_peak: tuple[float, str] | None = None) -> dict:
     """A timed run's figures (module docstring); `base`: the first run's step times, for
-    paired_ratio; `peak`: (FLOP/s, source) for its compute dtype."""
+    paired_ratio; `peak`: (FLOP/s, source) for its compute dtype, `fp8_peak` the FP8 one
+    (default: `peak` again)."""
     setup, times, metrics = run["setup"], np.asarray(run["times"]), run["metrics"]
     step_time = float(np.median(times))
-    peak_rate, peak_source = peak
     return {
         "tokens_per_second": setup.tokens_per_step / step_time, "step_time_s": step_time,
         "step_time_min_s": float(np.min(times)), "step_time_max_s": float(np.max(times)),
         "paired_ratio": float(np.median(times / base)), "step_times_s": times.tolist(),
         "shared_state": run["reuse"],
         "model_flops_per_step": setup.model_flops, "flop_convention": FLOP_CONVENTION,
-        "mfu": setup.model_flops / step_time / peak_rate,
-        "peak_flops": peak_rate, "peak_source": peak_source, "compile_time_s": run["compile_s"],
+        **mfu_figures(setup, step_time, peak, fp8_peak or peak),
+        "precision_fp8": setup.cfg.precision.fp8, "compile_time_s": run["compile_s"],
         "devices": jax.device_count(), "allocator": malloc.in_use(),
         # the kernel's share: page faults and system CPU time a timed step (malloc.py)
         "minor_faults_per_step": run["faults"] / steps,

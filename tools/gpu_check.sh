@@ -48,13 +48,29 @@ if ! grep -q tokens_per_second "$OUT/bench_h200.json"; then
   timeout 130 $PY -m maxmoe.cli bench $CFG "${SHRINK[@]}" $ATTN --steps 10 \
     > "$OUT/bench_h200_einsum.json" 2> "$OUT/bench_h200_einsum.log"
 fi
+# 1b. FP8 (issue 28): the same config in bf16, tensorwise and blockwise, compiled in one
+#     process and timed in turns (one shared state): step time, tokens/s, MFU per matmul class
+#     (metrics/flops.py) and against the bf16 and the fp8 peak alone (mfu_vs_*_peak); then the
+#     HLO evidence that the FP8 GEMMs run as FP8 (tools/fp8_hlo.py: cuBLASLt f8 custom calls,
+#     f8e4m3 dots), for fp8_dot / fp8_ragged_dot alone and for the train step of each mode.
+#     Allowance: 240 s of bench (three compiles), 45 s of kernels; the step compiles (two more)
+#     only with time left, since the bench's own timings come first
+timeout 240 $PY -m maxmoe.cli bench $CFG "${SHRINK[@]}" $ATTN --steps 5 --warmup 2 \
+  --sweep precision.fp8=none,tensorwise,blockwise > "$OUT/bench_fp8.json" 2> "$OUT/bench_fp8.log"
+timeout 45 $PY tools/fp8_hlo.py kernels > "$OUT/fp8_hlo_kernels.txt" 2>&1
+if [ "$SECONDS" -lt 300 ]; then
+  timeout $(( 420 - SECONDS )) $PY tools/fp8_hlo.py step $CFG "${SHRINK[@]}" $ATTN \
+    > "$OUT/fp8_hlo_step.txt" 2>&1
+fi
+# the fixed stages below get what is left of the call, at most their own allowance
+left() { local t=$(( 525 - SECONDS )); [ "$t" -gt "$1" ] && t=$1; echo $(( t > 5 ? t : 5 )); }
 # 2. the grouped matmul alone against a dense matmul of the same FLOPs (its ceiling)
-timeout 90 $PY tools/bench_grouped_matmul.py $GM > "$OUT/grouped_matmul.txt" 2>&1
+timeout "$(left 90)" $PY tools/bench_grouped_matmul.py $GM > "$OUT/grouped_matmul.txt" 2>&1
 # 3. a short real training run (stdlib-sources corpus, its own tokenizer): the loss goes down;
 #    no checkpoint (the params and AdamW moments of 1.3B are 15.6 GB to write); a fresh run
 #    dir, so that a second call (or dry run) does not append to the first one's metrics
 rm -rf /tmp/maxmoe_h200_run
-timeout 110 $PY -m maxmoe.cli train $CFG "${SHRINK[@]}" $ATTN train.steps=30 logging.every_steps=5 \
+timeout "$(left 110)" $PY -m maxmoe.cli train $CFG "${SHRINK[@]}" $ATTN train.steps=30 logging.every_steps=5 \
   checkpoint.enabled=false \
   run.dir=/tmp/maxmoe_h200_run > "$OUT/train.json" 2> "$OUT/train.log"
 # its records carry peak_memory_bytes (memory_stats, issue 26: absent on CPU) and the
@@ -97,5 +113,7 @@ if [ "$SECONDS" -lt 490 ]; then
     > "$OUT/two_level.txt" 2>&1
 fi
 tail -n 3 "$OUT"/*.txt "$OUT"/*.json
+grep -h '"name"' "$OUT"/fp8_hlo_*.txt 2>/dev/null | cut -c1-300
+grep -A3 "^precision.fp8" "$OUT/bench_fp8.log" 2>/dev/null
 head -n 9 "$OUT/plan_vs_measured.txt"
 tail -n 25 "$OUT"/bench_h200*.log

@@ -53,10 +53,13 @@ def add_parser(subparsers) -> None:
 
 def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
     """One line per swept value: median step time, its paired ratio to the first value (median
-    over rounds, see benchmark_interleaved), MFU, memory per device in MiB."""
+    over rounds, see benchmark_interleaved), MFU, memory per device in MiB; where a value runs
+    FP8 GEMMs, tokens/s and MFU against the bf16 and the fp8 peak alone too."""
     mib = 2.0 ** 20
+    fp8 = any(r["precision_fp8"] != "none" for _, r in rows)
     lines = [f"{key:<20} {'step ms':>9} {'ratio':>6} {'MFU':>6} {'args MiB':>9} {'out MiB':>9} "
-             f"{'temp MiB':>9} {'peak MiB':>9} {'host MiB':>9}"]
+             f"{'temp MiB':>9} {'peak MiB':>9} {'host MiB':>9}"
+             + (f" {'tokens/s':>9} {'MFU bf16':>8} {'MFU fp8':>8}" if fp8 else "")]
     for value, r in rows:
         host = r.get("host_argument_bytes", 0) + r.get("host_output_bytes", 0) + r.get(
             "host_temp_bytes", 0)
@@ -64,7 +67,9 @@ def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
         lines.append(f"{value:<20} {ms:>9.1f} {ratio:>6.3f} {100 * r['mfu']:>5.1f}% "
                      + " ".join(f"{r.get(k, 0) / mib:>9.2f}" for k in (
                          "argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"))
-                     + f" {host / mib:>9.2f}")
+                     + f" {host / mib:>9.2f}"
+                     + (f" {r['tokens_per_second']:>9.0f} {100 * r['mfu_vs_bf16_peak']:>7.1f}% "
+                        f"{100 * r['mfu_vs_fp8_peak']:>7.1f}%" if fp8 else ""))
     return "\n".join(lines)
 
 
@@ -91,6 +96,20 @@ def run_sweep(args) -> int:
     return 0
 
 
+def mfu_lines(r: dict) -> list[str]:
+    """The MFU line of a bench result; with precision.fp8 on, the class split and the total
+    over each peak alone on a second line (metrics.flops.MFU_CONVENTION)."""
+    line = f"MFU            {100 * r['mfu']:.1f}% of {r['peak_flops']:.3e} FLOP/s ({r['peak_source']})"
+    if r["precision_fp8"] == "none":
+        return [line]
+    share = r["model_flops_fp8_per_step"] / r["model_flops_per_step"]
+    return [f"MFU            {100 * r['mfu']:.1f}% per matmul class: {100 * share:.1f}% of "
+            f"the FLOPs fp8 {r['precision_fp8']} at {r['peak_flops_fp8']:.3e} FLOP/s "
+            f"({r['peak_source_fp8']}), the rest at {r['peak_flops']:.3e} ({r['peak_source']})",
+            f"               {100 * r['mfu_vs_bf16_peak']:.1f}% of the bf16 peak alone, "
+            f"{100 * r['mfu_vs_fp8_peak']:.1f}% of the fp8 peak alone"]
+
+
 def run(args) -> int:
     """Times one config (or a --sweep); prints the figures, then one JSON line. Exit 0."""
     if args.sweep:
@@ -113,10 +132,10 @@ def run(args) -> int:
         f"(min {1e3 * r['step_time_min_s']:.1f}, max {1e3 * r['step_time_max_s']:.1f})",
         f"tokens/s       {r['tokens_per_second']:.0f}",
         f"model FLOPs    {r['model_flops_per_step']:.3e} per step ({r['flop_convention']})",
-        f"MFU            {100 * r['mfu']:.1f}% of {r['peak_flops']:.3e} FLOP/s ({r['peak_source']})",
+        *mfu_lines(r),
     ]
     if "peak_bytes" in r:
-        lines.append(memory_line(r))
+        lines.append(memory_line(r, r["precision_fp8"]))
     if "device_peak_bytes" in r:
         lines.append(f"device peak    {r['device_peak_bytes'] / gib:.3f} GiB in use at most "
                      "(the device's own count)")

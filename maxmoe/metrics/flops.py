@@ -7,6 +7,18 @@ added) + 3 x layers x heads x (qk + v head dims) x seq for the attention scores 
 forward + backward, counted causally: half of the full S x S product, as MaxText
 (`calculate_tflops_training_per_device`) and Megatron-Core count it, and as the blocked CPU
 attention computes it. Rematerialisation is not counted (not useful work).
+
+Under precision.fp8 (tensorwise / blockwise) MFU is counted per matmul class (MFU_CONVENTION):
+MFU = sum over classes c of (FLOPs_c per second) / (peak FLOP/s of c's precision).
+- FP8 class: the attention projections (GQA q/k/v/o; MLA q, q_a, q_b, kv_a, k_rope, k_nope, v,
+  o), dense MLPs, shared experts and the top-k routed experts, in the main layers and in the MTP
+  depths' blocks: 6 x their weights (`fp8_params_per_token`), against GPU_PEAK_FP8.
+- BF16 class: everything else: LM head, router, norms, the attention core (scores and values),
+  the MTP projection, against the bf16 peak. With fp8 = none everything is BF16 and MFU is the
+  plain total FLOPs / bf16 peak, as before.
+Where no FP8 peak is known (A100: no FP8 tensor cores; CPU, whose peak is measured; a peak given
+by logging.peak_flops_per_device) the FP8 class is counted at the bf16 peak, and the peak's
+source says so: a fall-back, not an error, since such a run still trains (XLA upcasts).
 """
 
 from __future__ import annotations
@@ -21,20 +33,35 @@ from maxmoe.model.spec import layer_groups
 
 # dense bf16 peak per device (no sparsity), from vendor data sheets
 GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+# dense FP8 (E4M3) peak per device, the same data sheets; A100 has no FP8 tensor cores
+GPU_PEAK_FP8 = {"H100": 1979e12, "H200": 1979e12, "H800": 1979e12, "B200": 4500e12}
 
 
 def attention_params(cfg: Config) -> int:
     """Params of one attention layer (GQA or MLA, incl. its internal norms)."""
+    return attention_projection_params(cfg) + attention_norm_params(cfg)
+
+
+def attention_norm_params(cfg: Config) -> int:
+    """Params of one attention layer's internal norms (MLA's q_a / kv_a norms, GQA's qk-norm)."""
+    a = cfg.attention
+    if a.kind == "mla":
+        return a.q_lora_rank + a.kv_lora_rank
+    return 2 * a.head_dim if a.qk_norm else 0
+
+
+def attention_projection_params(cfg: Config) -> int:
+    """Weights of one attention layer's projections (GQA q/k/v/o; MLA q or q_a + q_b, kv_a,
+    k_rope, k_nope, v, o): the matmuls precision.fp8 runs on E4M3."""
     a, d = cfg.attention, cfg.model.hidden_size
     if a.kind == "mla":
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-        q = (d * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * a.num_heads * qk
+        q = (d * a.q_lora_rank + a.q_lora_rank * a.num_heads * qk
              if a.q_lora_rank else d * a.num_heads * qk)
-        kv = (d * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+        kv = (d * (a.kv_lora_rank + a.qk_rope_head_dim)
               + a.kv_lora_rank * a.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
         return q + kv + a.num_heads * a.v_head_dim * d
-    norms = 2 * a.head_dim if a.qk_norm else 0
-    return d * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads) + norms
+    return d * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
 
 
 def block_active_params(cfg: Config, is_moe: bool) -> int:
@@ -86,6 +113,60 @@ def flops_per_token(cfg: Config) -> float:
     return 6.0 * params + attention_flops_per_token(cfg)
 
 
+MFU_CONVENTION = ("sum over matmul classes of FLOPs / peak of the class's precision "
+                  "(fp8: attention projections, MLPs, experts; bf16: the rest)")
+
+
+def block_fp8_params(cfg: Config, is_moe: bool) -> int:
+    """Weights one token passes through in one block whose matmuls run on E4M3 when
+    precision.fp8 is on: attention projections + the dense MLP, or the top-k routed and the
+    shared experts (not the router, not the norms)."""
+    m, e = cfg.model, cfg.moe
+    d = m.hidden_size
+    mlp = (3 * d * e.expert_mlp_size * (e.experts_per_token + e.num_shared_experts) if is_moe
+           else 3 * d * m.dense_mlp_size)
+    return attention_projection_params(cfg) + mlp
+
+
+def fp8_params_per_token(cfg: Config) -> int:
+    """Per-token weights of the FP8 class (module docstring) over the main layers and the MTP
+    depths' blocks (each MTP block is of the last layer's kind); 0 when precision.fp8 is none."""
+    if cfg.precision.fp8 == "none":
+        return 0
+    m = cfg.model
+    groups = layer_groups(m)
+    blocks = sum(n * block_fp8_params(cfg, is_moe) for is_moe, _, n in groups)
+    return blocks + m.mtp_depth * block_fp8_params(cfg, groups[-1][0])
+
+
+def flops_by_precision(cfg: Config) -> dict[str, float]:
+    """{"bf16": FLOPs, "fp8": FLOPs} per trained token: the split of flops_per_token (they sum
+    to it exactly) by the precision each matmul runs in under precision.fp8."""
+    fp8 = 6.0 * fp8_params_per_token(cfg)
+    return {"bf16": flops_per_token(cfg) - fp8, "fp8": fp8}
+
+
+def class_seconds(flops: dict[str, float], peaks: dict[str, float]) -> float:
+    """Seconds the FLOPs of each class (flops_by_precision's keys) take at its peak:
+    sum_c flops[c] / peaks[c]; a class with no FLOPs needs no peak."""
+    return sum(f / peaks[c] for c, f in flops.items() if f)
+
+
+def mfu(flops: dict[str, float], seconds: float, peaks: dict[str, float]) -> float:
+    """MFU_CONVENTION: sum over classes of flops[c] / seconds / peaks[c] (flops per step and
+    peaks of all devices, or both per device), computed as total / seconds / effective_peak:
+    all-bf16 FLOPs give exactly total / seconds / bf16 peak."""
+    return sum(flops.values()) / seconds / effective_peak(flops, peaks)
+
+
+def effective_peak(flops: dict[str, float], peaks: dict[str, float]) -> float:
+    """The one peak that gives MFU_CONVENTION's MFU as total FLOPs / time / peak:
+    total / class_seconds; exactly peaks["bf16"] when no FLOPs are FP8."""
+    if not flops.get("fp8"):
+        return peaks["bf16"]
+    return sum(flops.values()) / class_seconds(flops, peaks)
+
+
 class MatmulPeak:
     """The practical peak of this host: the best FLOP/s a jitted square matmul reached in any
     of the runs `sample` timed. Best, not median: noise on a shared machine only ever slows a
@@ -112,12 +193,13 @@ class MatmulPeak:
         return f"best {self.label} of {self.count} on this host"
 
 
-def _data_sheet_peak() -> tuple[float, str] | None:
+def _data_sheet_peak(table: dict[str, float] = GPU_PEAK_BF16,
+                     precision: str = "bf16") -> tuple[float, str] | None:
     device = jax.devices()[0]
     if device.platform == "gpu":
-        for name, peak in GPU_PEAK_BF16.items():
+        for name, peak in table.items():
             if name in device.device_kind:
-                return peak, f"{device.device_kind} bf16 data-sheet peak"
+                return peak, f"{device.device_kind} {precision} data-sheet peak"
     return None
 
 
@@ -142,3 +224,13 @@ def peak_flops(cfg: Config, meter: MatmulPeak | None = None) -> tuple[float, str
         return sheet[0] * n, sheet[1]
     meter = meter or peak_meter(cfg)
     return meter.sample(10), meter.source()
+
+
+def fp8_peak_flops(cfg: Config, bf16: tuple[float, str]) -> tuple[float, str]:
+    """(FP8 peak FLOP/s of all devices, how it was obtained): the GPU's FP8 data sheet where
+    the bf16 peak came from the data sheet too, else `bf16` (peak_flops' result) again, its
+    source saying that FP8 GEMMs are counted at the bf16 peak (module docstring)."""
+    sheet = _data_sheet_peak(GPU_PEAK_FP8, "fp8")
+    if cfg.logging.peak_flops_per_device <= 0 and sheet is not None:
+        return sheet[0] * jax.device_count(), sheet[1]
+    return bf16[0], f"no fp8 peak known: the bf16 one ({bf16[1]})"

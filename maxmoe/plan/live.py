@@ -131,7 +131,7 @@ def dry_run(cfg: Config, mesh_sizes: dict[str, int], cluster_spec: str, out: Tex
     say = lambda text: print(text, file=out)  # noqa: E731
     say(f"maxmoe train --dry-run: {figures['devices']} x {figures['device_kind']} on "
         f"{jax.process_count()} process(es); nothing written to {cfg.run.dir}")
-    say(memory_line(figures["memory"]))
+    say(memory_line(figures["memory"], cfg.precision.fp8))
     if cluster is not None:
         describe(figures, cluster, out, title="dry run")
     else:

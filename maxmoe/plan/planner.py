@@ -93,6 +93,16 @@ def compile_layout(items: list[str], cluster: Cluster, timeout_s: float, out: Te
         return None
 
 
+def fp8_text(best: dict) -> str:
+    """The MFU note " (fp8: N FLOPs a step at the fp8 peak, ...)" of a plan whose FP8 class has
+    FLOPs (metrics.flops.MFU_CONVENTION), else "" (precision.fp8 none)."""
+    fp8 = best.get("model_flops_fp8_per_step", 0.0)
+    if not fp8:
+        return ""
+    return (f" (fp8: {fp8:.3e} FLOPs a step at the fp8 peak, the rest at the bf16 one; "
+            f"effective peak {best['mfu_peak_flops_per_device']:.3e} FLOP/s a device)")
+
+
 def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> None:
     """The best layout's figures in words: memory by part, buffers, replication, traffic, time,
     cost. `title` heads them (the dry run's figures are its own layout's, on real devices)."""
@@ -124,7 +134,7 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
         f"{t['exposed_communication']:.2f} s (inside hosts {t['ici']:.2f} s, across "
         f"{t['dcn']:.2f} s) + pipeline bubble {t['pipeline_bubble']:.2f} s = "
         f"{best['step_time_s']:.2f} s; {best['tokens_per_second']:,.0f} tokens/s, MFU "
-        f"{100 * best['mfu']:.1f}%, {best['tokens_per_day'] / 1e9:.1f}B tokens/day")
+        f"{100 * best['mfu']:.1f}%{fp8_text(best)}, {best['tokens_per_day'] / 1e9:.1f}B tokens/day")
     if best["device_hours"] is not None:
         say(f"  cost: {best['tokens'] / 1e12:.3g}T tokens in {best['steps']:,} steps = "
             f"{best['device_hours']:,.0f} device-hours, {best['days']:.1f} days, "

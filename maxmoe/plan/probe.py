@@ -32,6 +32,7 @@ import numpy as np
 from maxmoe.bench import memory_analysis
 from maxmoe.config import ConfigError, load_config
 from maxmoe.kernels.attention import cudnn_takes
+from maxmoe.metrics.flops import fp8_params_per_token
 from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
@@ -224,6 +225,8 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
         "cudnn_attention_calls": hlo.count("custom_call_target=\"__cudnn$fmha"),
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
+        # the FP8 class's share (metrics.flops.MFU_CONVENTION; 0 with precision.fp8 none)
+        "model_flops_fp8_per_step": 6.0 * fp8_params_per_token(cfg) * setup.tokens_per_step,
         "tokens_per_step": setup.tokens_per_step,
         "bubble": pipeline_idle(cfg.model, sizes["pipeline"]),  # with chunk padding
     }

@@ -9,7 +9,7 @@ import yaml
 
 from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config
 from maxmoe.plan.cluster import Cluster
-from maxmoe.plan.roofline import checkpoint, cost, step_time, throughput
+from maxmoe.plan.roofline import checkpoint, compute_peak, cost, step_time, throughput
 
 GIB = 2.0**30
 
@@ -19,9 +19,11 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
     """The contract's JSON keys (and a few more) for one probe result (probe.measure's)."""
     memory, devices = measured["memory"], measured["devices"]
     comm = measured["collectives"]
-    step = step_time(measured["model_flops_per_step"], devices, cluster, comm, measured["bubble"])
-    speed = throughput(step, measured["tokens_per_step"], measured["model_flops_per_step"],
-                       devices, cluster.peak_bf16_flops)
+    flops = measured["model_flops_per_step"]
+    peak, efficiency = compute_peak(flops, measured.get("model_flops_fp8_per_step", 0.0), cluster)
+    step = step_time(flops, devices, cluster, comm, measured["bubble"], efficiency=efficiency,
+                     peak=peak)
+    speed = throughput(step, measured["tokens_per_step"], flops, devices, peak)
     bill = cost(step.step_s, measured["tokens_per_step"], devices, cluster, tokens=tokens,
                 steps=None if tokens else steps)
     ckpt_bytes, ckpt_s = checkpoint(measured["state_global_bytes"], cluster)
@@ -49,6 +51,8 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
                               "exposed_communication": step.exposed_comm_s,
                               "pipeline_bubble": step.bubble_s},
         "tokens_per_second": speed.tokens_per_s, "mfu": speed.mfu,
+        "model_flops_fp8_per_step": measured.get("model_flops_fp8_per_step", 0.0),
+        "mfu_peak_flops_per_device": peak,  # bf16, or the FP8 step's effective peak
         "tokens_per_day": speed.tokens_per_day,
         "device_hours_per_trillion_tokens": bill.device_hours_per_trillion_tokens,
         "cost_usd": bill.dollars, "device_hours": bill.device_hours, "days": bill.days,

@@ -39,6 +39,38 @@ V3_ACHIEVED_FLOPS_PER_GPU = (V3_PRETRAIN_TOKENS * V3_FLOPS_PER_TOKEN
                              / (V3_PRETRAIN_GPU_HOURS * 3600))
 COMPUTE_EFFICIENCY = V3_ACHIEVED_FLOPS_PER_GPU / H800_PEAK_BF16  # 0.4067
 COMPUTE_EFFICIENCY_OF_FP8_PEAK = V3_ACHIEVED_FLOPS_PER_GPU / H800_PEAK_FP8  # 0.2033
+# A plan with precision.fp8 on counts its compute per matmul class (metrics.flops
+# MFU_CONVENTION): the FP8 class's FLOPs at the fp8 peak, the rest at the bf16 one, i.e. at
+# effective_peak. V3 under that convention: 6 x fp8_params_per_token with precision.fp8 on =
+# 217,049,726,976 of its 260.6 GFLOPs per token (83.3%) are FP8 (tests/plan/test_roofline.py
+# recomputes it) -> an effective H800 peak of 1.695e15 and 4.022e14 achieved = 23.7% of it.
+# FP8 plans run at that efficiency of their effective peak, so V3's own plan keeps V3's
+# measured rate: no FP8 speed-up beyond what V3 reached is assumed.
+V3_FP8_FLOPS_PER_TOKEN = 217_049_726_976
+
+
+def effective_peak(model_flops: float, fp8_flops: float, bf16_peak: float,
+                   fp8_peak: float) -> float:
+    """The one per-device peak at which `model_flops` take as long as their bf16 part at
+    `bf16_peak` plus their `fp8_flops` part at `fp8_peak`; exactly bf16_peak when fp8_flops
+    is 0."""
+    if not fp8_flops:
+        return bf16_peak
+    return model_flops / ((model_flops - fp8_flops) / bf16_peak + fp8_flops / fp8_peak)
+
+
+COMPUTE_EFFICIENCY_FP8 = V3_ACHIEVED_FLOPS_PER_GPU / effective_peak(
+    V3_FLOPS_PER_TOKEN, V3_FP8_FLOPS_PER_TOKEN, H800_PEAK_BF16, H800_PEAK_FP8)  # 0.2373
+
+
+def compute_peak(model_flops: float, fp8_flops: float, cluster: Cluster) -> tuple[float, float]:
+    """(per-device peak, efficiency) a step's compute is planned at: the bf16 peak and
+    COMPUTE_EFFICIENCY when none of its FLOPs are FP8 (precision.fp8 none), else the cluster's
+    effective_peak and COMPUTE_EFFICIENCY_FP8."""
+    if not fp8_flops:
+        return cluster.peak_bf16_flops, COMPUTE_EFFICIENCY
+    return (effective_peak(model_flops, fp8_flops, cluster.peak_bf16_flops,
+                           cluster.peak_fp8_flops), COMPUTE_EFFICIENCY_FP8)
 
 # ---------------------------------------------------------------- the overlap assumption
 # Fraction of the communication time hidden under compute (never more than the compute time).
@@ -58,7 +90,7 @@ CHECKPOINT_BYTES_PER_PARAM = 12
 class StepTime:
     """Seconds of one train step: step_s = compute_s + exposed_comm_s + bubble_s."""
 
-    compute_s: float  # model FLOPs at efficiency x the dense bf16 peak
+    compute_s: float  # model FLOPs at efficiency x the dense bf16 (or effective) peak
     ici_s: float  # bytes one device sends inside its host / ici_bandwidth
     dcn_s: float  # bytes one device sends across hosts / dcn_bandwidth
     exposed_comm_s: float  # ici_s + dcn_s less what overlaps compute
@@ -69,7 +101,7 @@ class StepTime:
 @dataclasses.dataclass(frozen=True)
 class Throughput:
     tokens_per_s: float
-    mfu: float  # model FLOPs / (devices x bf16 peak x step_s)
+    mfu: float  # model FLOPs / (devices x bf16 (or effective) peak x step_s)
     tokens_per_day: float
 
 
@@ -105,16 +137,18 @@ def link_bytes(collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]]
 def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
               collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]],
               bubble_fraction: float, *, efficiency: float = COMPUTE_EFFICIENCY,
-              overlap: float = COMM_OVERLAP) -> StepTime:
+              overlap: float = COMM_OVERLAP, peak: float | None = None) -> StepTime:
     """Roofline step time of `devices` devices of `cluster` for a step of
-    `model_flops_per_step` FLOPs (all devices together): compute at `efficiency` x the dense
-    bf16 peak; each link class's bytes (link_bytes) over its bandwidth, the two classes in
-    series; `overlap` of that hidden under compute; the pipeline bubble adds
-    `bubble_fraction` x compute (e.g. (stages - 1) / micro-batches for 1F1B)."""
+    `model_flops_per_step` FLOPs (all devices together): compute at `efficiency` x `peak`
+    (default the dense bf16 peak; compute_peak gives both for an FP8 step); each link class's
+    bytes (link_bytes) over its bandwidth, the two classes in series; `overlap` of that hidden
+    under compute; the pipeline bubble adds `bubble_fraction` x compute (e.g. (stages - 1) /
+    micro-batches for 1F1B)."""
     if devices < 1 or not 0 < efficiency <= 1 or not 0 <= overlap <= 1 or bubble_fraction < 0:
         raise ValueError(f"step_time: devices={devices}, efficiency={efficiency}, "
                          f"overlap={overlap}, bubble_fraction={bubble_fraction} out of range")
-    compute = model_flops_per_step / (devices * cluster.peak_bf16_flops * efficiency)
+    peak = cluster.peak_bf16_flops if peak is None else peak
+    compute = model_flops_per_step / (devices * peak * efficiency)
     sent = link_bytes(collective_bytes)
     ici, dcn = sent["ici"] / cluster.ici_bandwidth, sent["dcn"] / cluster.dcn_bandwidth
     exposed = (ici + dcn) - min(overlap * (ici + dcn), compute)
@@ -126,7 +160,8 @@ def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
 def throughput(step: StepTime | float, tokens_per_step: float, model_flops_per_step: float,
                devices: int, peak: float) -> Throughput:
     """Tokens/s, MFU and tokens/day of a step taking `step` (a StepTime or seconds) on
-    `devices` devices of `peak` FLOP/s each (the dense bf16 peak, as MFU is quoted)."""
+    `devices` devices of `peak` FLOP/s each (the dense bf16 peak, as MFU is quoted; an FP8
+    step's effective_peak, which makes it metrics.flops.MFU_CONVENTION's MFU)."""
     seconds = step.step_s if isinstance(step, StepTime) else float(step)
     tokens_per_s = tokens_per_step / seconds
     return Throughput(tokens_per_s=tokens_per_s,

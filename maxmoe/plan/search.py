@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxmoe.config import MESH_AXES, Config, ConfigError
-from maxmoe.metrics.flops import flops_per_token
+from maxmoe.metrics.flops import flops_per_token, fp8_params_per_token
 from maxmoe.model.spec import layer_groups, pipeline_idle, pipeline_schedule
 from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
 from maxmoe.plan.cluster import Cluster
 from maxmoe.plan.estimate import state_bytes
-from maxmoe.plan.roofline import step_time
+from maxmoe.plan.roofline import compute_peak, step_time
 from maxmoe.validation import shards, validate
 
 # host split orders: which axes fill a host first (tensor must stay inside one)
@@ -285,9 +285,13 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     batch = (cfg.data.global_batch_size * cfg.data.seq_len * 4 * batch_keys
              // shards(cfg, layout.sizes, "batch"))
     peak = state.total + batch + temporaries
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
     flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
     bubble = pipeline_idle(cfg.model, layout.sizes["pipeline"])  # with chunk padding
-    step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state), bubble)
+    flop_peak, efficiency = compute_peak(flops, 6.0 * fp8_params_per_token(cfg) * tokens,
+                                         cluster)
+    step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state), bubble,
+                     efficiency=efficiency, peak=flop_peak)
     return Estimate(layout, state.total, temporaries, peak, step.step_s,
                     peak <= cluster.usable_bytes)
 

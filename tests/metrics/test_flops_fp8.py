@@ -1,0 +1,193 @@
+"""MFU per matmul class under precision.fp8 (metrics.flops.MFU_CONVENTION, issue 28 item 5):
+the causal FLOP count split into an FP8 and a BF16 class, each against its own peak; with
+fp8 = none every figure is what it was before the split."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from maxmoe.bench import memory_line, mfu_figures
+from maxmoe.config import load_config
+from maxmoe.kernels.fp8 import fp8_dot
+from maxmoe.metrics.flops import (
+    effective_peak,
+    flops_by_precision,
+    flops_per_token,
+    fp8_params_per_token,
+    fp8_peak_flops,
+    mfu,
+    peak_flops,
+)
+from maxmoe.plan.cluster import load_cluster
+from maxmoe.plan.roofline import (
+    COMPUTE_EFFICIENCY,
+    COMPUTE_EFFICIENCY_FP8,
+    V3_FLOPS_PER_TOKEN,
+    V3_FP8_FLOPS_PER_TOKEN,
+    compute_peak,
+    step_time,
+)
+
+TINY_V3 = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml"]
+PRESETS = [TINY_V3, ["configs/tiny.yaml", "configs/models/tiny_mixtral.yaml"]]
+
+
+def tiny_v3(fp8: str):
+    cfg, _ = load_config(TINY_V3, [f"precision.fp8={fp8}", "precision.compute_dtype=bfloat16"])
+    return cfg
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fp8_none_is_all_bf16_and_mfu_unchanged(preset):
+    cfg, _ = load_config(preset)
+    assert cfg.precision.fp8 == "none"
+    split = flops_by_precision(cfg)
+    assert split == {"bf16": flops_per_token(cfg), "fp8": 0.0}
+    total, seconds, peaks = flops_per_token(cfg) * 4096, 0.37, {"bf16": 3.1e11, "fp8": 9e99}
+    flops = {c: f * 4096 for c, f in split.items()}
+    assert effective_peak(flops, peaks) == 3.1e11
+    assert mfu(flops, seconds, peaks) == total / seconds / 3.1e11  # bit for bit, as before
+
+
+def test_tiny_v3_split_by_hand():
+    """configs/tiny.yaml + tiny_deepseek_v3 (d 128, 1 dense + 3 MoE layers, MLA with q_lora 64,
+    kv_lora 32, 4 heads of nope 32 / rope 16 / v 32, 8 experts of 64, top-2 + 1 shared, one
+    MTP depth), counted by hand per token."""
+    cfg = tiny_v3("blockwise")
+    m, a = cfg.model, cfg.attention
+    assert (m.hidden_size, m.num_layers, m.num_dense_layers, m.mtp_depth) == (128, 4, 1, 1)
+    assert (a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
+            a.v_head_dim, a.num_heads) == (64, 32, 32, 16, 32, 4)
+    v, s = m.vocab_size, cfg.data.seq_len
+    # projections: q_a 128x64 + q_b 64x4x48 + kv_a 128x32 + k_rope 128x16 + k_nope 32x4x32
+    # + v 32x4x32 + o 4x32x128 = 8192 + 12288 + 4096 + 2048 + 4096 + 4096 + 16384
+    attn = 51200
+    dense, experts = 3 * 128 * 256, 3 * 128 * 64 * 3  # 98304; (top-2 + shared) 73728
+    fp8 = (attn + dense) + 3 * (attn + experts) + (attn + experts)  # 3 MoE layers + MTP block
+    assert fp8 == 649216 and fp8_params_per_token(cfg) == fp8
+    # BF16: per layer 2 pre-norms + MLA's q_a / kv_a norms (256 + 96), routers 128x8 on the MoE
+    # layers, final norm, LM head; MTP: its block's norms and router, the 256x128 projection,
+    # its 3 norms and the LM head again; attention core 6 x 5 layers x 4 heads x 80 x S / 2
+    bf16_params = 4 * 352 + 3 * 1024 + 128 + 128 * v + 352 + 1024 + 2 * 128 * 128 + 384 + 128 * v
+    split = flops_by_precision(cfg)
+    assert split["fp8"] == 6 * fp8
+    assert split["bf16"] == 6 * bf16_params + 6 * 5 * 4 * 80 * s / 2
+    assert split["bf16"] + split["fp8"] == flops_per_token(cfg)  # exactly, same total
+    assert flops_per_token(cfg) == flops_per_token(tiny_v3("none"))
+    assert fp8_params_per_token(tiny_v3("tensorwise")) == fp8
+
+
+def test_mfu_denominator_follows_the_classes():
+    """3 s for 6e12 bf16-class + 12e12 fp8-class FLOPs on peaks 1e12 / 4e12: the classes need
+    6 + 3 = 9 s at peak, so MFU is 9 / 3 = 3 (a made-up peak, to check the arithmetic); over the
+    bf16 peak alone it would be 18 / 3 = 6, over the fp8 peak alone 1.5."""
+    flops, peaks = {"bf16": 6e12, "fp8": 12e12}, {"bf16": 1e12, "fp8": 4e12}
+    assert mfu(flops, 3.0, peaks) == pytest.approx(3.0, rel=1e-12)
+    assert effective_peak(flops, peaks) == pytest.approx(18e12 / 9, rel=1e-12)
+
+
+def fake_setup(cfg, tokens: int = 2048):
+    return SimpleNamespace(cfg=cfg, tokens_per_step=tokens,
+                           model_flops=flops_per_token(cfg) * tokens)
+
+
+def test_bench_mfu_figures():
+    base = mfu_figures(fake_setup(tiny_v3("none")), 0.5, (1e12, "bf16 sheet"), (2e12, "fp8 sheet"))
+    setup = fake_setup(tiny_v3("none"))
+    assert base["mfu"] == setup.model_flops / 0.5 / 1e12 == base["mfu_vs_bf16_peak"]
+    assert base["model_flops_fp8_per_step"] == 0
+    setup = fake_setup(tiny_v3("blockwise"))
+    r = mfu_figures(setup, 0.5, (1e12, "bf16 sheet"), (2e12, "fp8 sheet"))
+    fp8 = 6 * 649216 * 2048
+    assert r["model_flops_fp8_per_step"] == fp8
+    want = ((setup.model_flops - fp8) / 1e12 + fp8 / 2e12) / 0.5
+    assert r["mfu"] == pytest.approx(want, rel=1e-12)
+    assert r["mfu_vs_bf16_peak"] > r["mfu"] > r["mfu_vs_fp8_peak"]
+    assert r["mfu_vs_fp8_peak"] == pytest.approx(r["mfu_vs_bf16_peak"] / 2, rel=1e-12)
+
+
+def test_cpu_fp8_peak_falls_back_to_the_bf16_one():
+    cfg, _ = load_config(["configs/tiny.yaml"], ["logging.peak_flops_per_device=1e12"])
+    bf16 = peak_flops(cfg)
+    rate, source = fp8_peak_flops(cfg, bf16)
+    assert rate == bf16[0] and "no fp8 peak known" in source
+
+
+def test_memory_line_says_what_fp8_saves():
+    memory = dict(peak_bytes=2**30, argument_bytes=2**29, output_bytes=2**29, alias_bytes=2**29,
+                  temp_bytes=2**29)
+    assert "fp8" not in memory_line(memory)
+    assert "fp8 blockwise: none saved" in memory_line(memory, "blockwise")
+    assert "E4M3 (half their bf16 bytes" in memory_line(memory, "tensorwise")
+
+
+def test_planner_fp8_compute_peak_keeps_v3_calibration():
+    """V3's FP8 share, recomputed from its config, is the constant the FP8 efficiency was
+    derived from; an FP8 plan of V3 then takes V3's own compute time, a bf16 plan the same
+    (both calibrated on V3's achieved FLOP/s), and fp8 = none plans at the bf16 peak as before."""
+    cfg, _ = load_config(["configs/models/deepseek_v3_671b.yaml"],
+                         ["data.seq_len=4096", "precision.fp8=blockwise"])
+    assert flops_per_token(cfg) == V3_FLOPS_PER_TOKEN
+    assert 6 * fp8_params_per_token(cfg) == V3_FP8_FLOPS_PER_TOKEN
+    cluster = load_cluster("2048xh800")
+    assert compute_peak(1e18, 0.0, cluster) == (cluster.peak_bf16_flops, COMPUTE_EFFICIENCY)
+    tokens = 15360 * 4096
+    flops, fp8 = V3_FLOPS_PER_TOKEN * tokens, V3_FP8_FLOPS_PER_TOKEN * tokens
+    peak, eff = compute_peak(flops, fp8, cluster)
+    assert eff == COMPUTE_EFFICIENCY_FP8
+    assert cluster.peak_bf16_flops < peak < cluster.peak_fp8_flops
+    fp8_step = step_time(flops, cluster.devices, cluster, {}, 0.0, efficiency=eff, peak=peak)
+    bf16_step = step_time(flops, cluster.devices, cluster, {}, 0.0)
+    assert fp8_step.compute_s == pytest.approx(bf16_step.compute_s, rel=1e-12)
+
+
+TOOL = Path(__file__).parents[2] / "tools" / "fp8_hlo.py"
+spec = importlib.util.spec_from_file_location("fp8_hlo", TOOL)
+fp8_hlo = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fp8_hlo)
+
+# the shape of XLA:GPU's optimized HLO for fp8_dot tensorwise (deviceless H200 compile): a
+# Triton GEMM fusion whose dot names its f8 parameters without types; the same parameter names
+# in another computation are bf16; a cuBLASLt FP8 custom call as a real GPU's autotuner may pick
+HLO = """
+%gemm_fusion_dot (parameter_0: f8e4m3fn[64,32], parameter_1: f8e4m3fn[32,16]) -> f32[64,16] {
+  %parameter_0 = f8e4m3fn[64,32]{1,0} parameter(0)
+  %parameter_1 = f8e4m3fn[32,16]{0,1} parameter(1)
+  ROOT %dot_general.0 = f32[64,16]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}
+}
+
+%plain (parameter_0: bf16[64,32], parameter_1: bf16[32,16]) -> f32[64,16] {
+  %parameter_0 = bf16[64,32]{1,0} parameter(0)
+  %parameter_1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,16]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}
+}
+
+ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> f32[64,16] {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %q = f8e4m3fn[64,32]{1,0} convert(%a)
+  %c = (f32[64,16]{1,0}, s8[0]{0}) custom-call(%q, %q), custom_call_target="__cublas$lt$matmul$f8"
+  ROOT %g = bf16[64,16]{1,0} ragged-dot(%a, %b), lhs_contracting_dims={1}
+}
+"""
+
+
+def test_fp8_counts_resolves_operand_types_per_computation():
+    counts = fp8_hlo.fp8_counts(HLO)
+    assert counts["dots"] == 2 and counts["f8_dots"] == 1  # the bf16 one's names collide
+    assert counts["ragged_dots"] == 1 and counts["f8_ragged_dots"] == 0
+    assert counts["custom_call __cublas$lt$matmul$f8"] == 1
+    assert counts["f8_values"] == 3  # the two f8 parameters and the convert
+
+
+def test_fp8_counts_of_a_cpu_compile_sees_the_quantisation():
+    """XLA:CPU upcasts FP8 dots, but the E4M3 converts are there; a bf16 dot has none."""
+    x, w = jnp.ones((256, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
+    fp8 = fp8_hlo.fp8_counts(jax.jit(lambda a, b: fp8_dot(a, b, "tensorwise"))
+                             .lower(x, w).compile().as_text())
+    plain = fp8_hlo.fp8_counts(jax.jit(lambda a, b: a @ b).lower(x, w).compile().as_text())
+    assert fp8["f8_values"] > 0 and fp8["dots"] >= 1
+    assert plain["f8_values"] == 0 and plain["f8_dots"] == 0 and plain["dots"] == 1
