@@ -48,13 +48,16 @@ def left_pad(prompts: list, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, np.array([longest - len(p) for p in prompts], np.int32)
 
 
-def decode_config(cfg: Config, dtype: str) -> Config:
-    """cfg computing in `dtype`, its MoE dropless (decoding drops no token) with ragged_dot
-    grouped matmuls: a step's few assignments fill no 128-row block of the blocked kernel
-    (whose 4-block groups also fail to trace with fewer than 4 blocks)."""
+def decode_config(cfg: Config, dtype: str, experts_split: bool = False) -> Config:
+    """cfg computing in `dtype`, its MoE dropless (decoding drops no token). With the experts
+    split over devices, a decode step's few tokens go through the grouped matmuls
+    (decode_moe.py gathers experts only on an unsplit axis): ragged_dot there, as the blocked
+    kernel's 4-block groups fail to trace with fewer than 4 blocks."""
+    moe = dataclasses.replace(cfg.moe, dispatch="dropless")
+    if experts_split:
+        moe = dataclasses.replace(moe, grouped_matmul="ragged_dot")
     return dataclasses.replace(
-        cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype),
-        moe=dataclasses.replace(cfg.moe, dispatch="dropless", grouped_matmul="ragged_dot"))
+        cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype), moe=moe)
 
 
 class Decoder:
@@ -64,11 +67,12 @@ class Decoder:
                  mesh: dict[str, int] | None = None):
         """cfg: the checkpoint's config; params: its pure param dict (numpy or jax arrays,
         checkpoint_io.load_converted's); mesh: axis sizes overriding the run's (mesh.py)."""
-        self.cfg = decode_config(cfg, dtype)
+        self.sizes = decode_mesh_sizes(cfg, mesh)
+        split = any(self.sizes[a] > 1 for a in cfg.mesh.rules.get("experts", []))
+        self.cfg = decode_config(cfg, dtype, experts_split=split)
         model = nnx.eval_shape(lambda: build_model(self.cfg, 0))
         graphdef, _ = nnx.split(model)
         self.model = nnx.merge(graphdef, params)
-        self.sizes = decode_mesh_sizes(self.cfg, mesh)
 
     def generate(self, ids: np.ndarray, pad: np.ndarray, max_new_tokens: int,
                  sampling: Sampling | None = None, eos_id: int | None = None, pad_id: int = 0,

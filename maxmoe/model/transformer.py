@@ -19,6 +19,7 @@ from flax import nnx
 from maxmoe.config import AttentionConfig, Config, ModelConfig, MoEConfig
 from maxmoe.kernels.lm_loss import chunked_lm_loss
 from maxmoe.model.attention import make_attention
+from maxmoe.model.decode_moe import moe_step
 from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
@@ -73,11 +74,12 @@ class Block(nnx.Module):
 
     def extend(self, x, positions, cache, start, kv_valid):
         """__call__ for decoding: attention reads and updates its KV cache (Attention.extend,
-        LatentAttention.extend) -> (x, cache)."""
+        LatentAttention.extend), MoE runs only its chosen experts (decode_moe.py) -> (x, cache)."""
         attn, cache = self.attn.extend(self.attn_norm(x), positions, cache, start, kv_valid)
         x = x + attn
-        y = self.mlp(self.mlp_norm(x))
-        return shard(x + (y[0] if isinstance(y, tuple) else y), ("batch", "seq", "act_embed")), cache
+        h = self.mlp_norm(x)
+        y = moe_step(self.mlp, h) if isinstance(self.mlp, MoE) else self.mlp(h)
+        return shard(x + y, ("batch", "seq", "act_embed")), cache
 
 
 def _stack(n: int, make, rngs: nnx.Rngs, per_layer: bool = False):
