@@ -28,7 +28,7 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 2048  # must equal the tokenizer's vocabulary size
+    vocab_size: int = 2048  # at least the tokenizer's vocabulary size (may pad it)
     hidden_size: int = 128  # D
     num_layers: int = 4  # all decoder blocks, dense and MoE
     num_dense_layers: int = 1  # the first layers use a dense SwiGLU MLP (DeepSeek first_k_dense)
@@ -201,6 +201,9 @@ class DataConfig:
     # weighted prepared datasets 'DIR:WEIGHT,DIR:WEIGHT' (weights = token shares); empty =
     # `source` alone. `source` may itself be a folder written by `maxmoe data prepare`.
     mixture: str = ""
+    # pretrain (documents of text, every token trained) | sft (JSONL chat records: `source` is a
+    # glob of .jsonl files with `messages` or `prompt`/`completion`; only answers are trained)
+    format: str = "pretrain"
 
     def mixture_weights(self) -> dict[str, float]:
         """{dataset: weight}, weights summing to 1; {source: 1.0} without a mixture."""

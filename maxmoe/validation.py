@@ -199,6 +199,8 @@ def check_data(d: DataConfig, need: Need) -> None:
     need(0.0 <= d.validation_fraction < 1.0, "data.validation_fraction", "must be in [0, 1)",
          "use e.g. 0.02")
     need(d.prefetch_batches >= 1, "data.prefetch_batches", "must be >= 1", "use e.g. 4")
+    need(d.format in ("pretrain", "sft"), "data.format", "unknown format",
+         "use pretrain (text documents) or sft (JSONL chat records)")
     try:
         d.mixture_weights()
     except ValueError as error:

@@ -60,7 +60,8 @@ def add_parser(subparsers) -> None:
                                   description=USAGE_PREPARE,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     prepare.add_argument("inputs", nargs="+", metavar="INPUTS")
-    prepare.add_argument("--tokenizer", required=True, help="folder holding tokenizer.model")
+    prepare.add_argument("--tokenizer", required=True, help="folder holding tokenizer.model (SentencePiece) or "
+                         "tokenizer.json + tokenizer_config.json (Hugging Face)")
     prepare.add_argument("--out", required=True, help="output folder (new, or a run to resume)")
     _input_arguments(prepare)
     group = prepare.add_argument_group("filters")

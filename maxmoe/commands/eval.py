@@ -73,7 +73,8 @@ def run(args) -> int:
     cfg, sizes = configure([config_file, *overrides(args)], reads_data=True)
     run_cfg, _ = load_config([config_file])
     setup = prepare_run(cfg, sizes)
-    result = ev.evaluate_checkpoint(setup, step_dir, ev.eval_tokenizer(run_cfg, cfg), args.split)
+    result = ev.evaluate_checkpoint(setup, step_dir, ev.eval_tokenizer(run_cfg, cfg, run_dir),
+                                   args.split)
     source = cfg.data.mixture or cfg.data.source
     if not result.batches:
         raise ConfigError(f"data {source!r}: its {args.split} split has no documents; pass "

@@ -8,11 +8,13 @@
 `maxmoe data prepare` (ArrayRecord records are documents, already tokenized); `data.mixture`
 mixes several prepared folders by token share (records.py).
 
-Each document becomes `tokens = ids + [eos]` and `targets = ids[1:] + [eos, pad]`, computed
-*before* packing. Packing then cuts both features at the same points, so a document split
-across two rows keeps its true next token at the row end, and the eos position (whose
-successor would be another document) is the only one without a target: the loss never
-crosses a document boundary and no token pair is lost at row edges.
+Each document becomes `tokens = ids + [eos]`, `targets = ids[1:] + [eos, 0]` and `loss_mask`
+(1 where the target counts, 0 at the eos position), computed *before* packing. Packing then
+cuts all three features at the same points, so a document split across two rows keeps its true
+next token at the row end, and the eos position (whose successor would be another document) is
+the only one without a target: the loss never crosses a document boundary and no token pair is
+lost at row edges. With data.format=sft the documents are chat records (data/sft.py) whose
+loss_mask is 1 only where the target is an assistant / completion token.
 
 Process count and streams: with P processes and `data.streams` = N, process p interleaves the
 virtual shares p*N .. p*N+N-1 of P*N, one row of each in turn. So when global_batch_size =
@@ -36,7 +38,7 @@ import grain
 import numpy as np
 
 from maxmoe.config import DataConfig, fail
-from maxmoe.data import records
+from maxmoe.data import records, sft
 from maxmoe.data.corpus import list_documents, read_document, split_documents
 from maxmoe.data.shards import decode_record
 from maxmoe.data.tokenizer import Tokenizer
@@ -55,10 +57,10 @@ def batch_spec(cfg: DataConfig,
     shape = (local_batch_size(cfg, process_count), cfg.seq_len)
     return {
         "tokens": (shape, np.dtype(np.int32)),  # [b, S] packed input tokens
-        "targets": (shape, np.dtype(np.int32)),  # [b, S] next token of the same document, 0 if none
+        "targets": (shape, np.dtype(np.int32)),  # [b, S] next token of the same document, or 0
         "segment_ids": (shape, np.dtype(np.int32)),  # [b, S] 1, 2, ... per piece, 0 = padding
         "positions": (shape, np.dtype(np.int32)),  # [b, S] position within the piece
-        "loss_mask": (shape, np.dtype(np.float32)),  # [b, S] 1 where targets is real
+        "loss_mask": (shape, np.dtype(np.float32)),  # [b, S] 1 where targets is trained on
     }
 
 
@@ -117,29 +119,32 @@ def _document_features(ids, tokenizer: Tokenizer) -> dict[str, np.ndarray] | Non
     tokens = np.empty(count + 1, np.int32)
     tokens[:count] = ids
     tokens[count] = tokenizer.eos_id
-    targets = np.full(count + 1, tokenizer.pad_id, np.int32)
-    # the eos position keeps pad: its successor belongs to another document
+    targets = np.zeros(count + 1, np.int32)
+    # the eos position has no target: its successor belongs to another document
     targets[:count] = tokens[1:]
-    return {"tokens": tokens, "targets": targets}
+    loss_mask = np.ones(count + 1, np.float32)
+    loss_mask[count] = 0.0
+    return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask}
 
 
-class _RowFeatures(grain.transforms.Map):
-    """Renames grain's packing outputs and adds the loss mask."""
+def _row_features(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Renames grain's packing outputs; row padding has loss_mask 0 (the packer pads zeros)."""
+    return {
+        "tokens": packed["tokens"],
+        "targets": packed["targets"],
+        "segment_ids": packed["tokens_segment_ids"],
+        "positions": packed["tokens_positions"],
+        "loss_mask": packed["loss_mask"].astype(np.float32),
+    }
 
-    def __init__(self, pad_id: int):
-        self._pad_id = pad_id
 
-    def map(self, packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        targets = packed["targets"]
-        return {
-            "tokens": packed["tokens"],
-            "targets": targets,
-            "segment_ids": packed["tokens_segment_ids"],
-            "positions": packed["tokens_positions"],
-            # The tokenizer never emits pad, so a pad target means "no next token" (document
-            # end or row padding) and nothing else.
-            "loss_mask": (targets != self._pad_id).astype(np.float32),
-        }
+def check_eos(tokenizer: Tokenizer) -> None:
+    """Packing ends every pretraining document with EOS: a tokenizer without one is a
+    config error (naming the tokenizer file)."""
+    if tokenizer.eos_id is None:
+        fail("data.tokenizer_dir", getattr(tokenizer, "path", "?"), None, "the tokenizer has "
+             "no EOS token, which ends every packed document", "set eos_token in its "
+             "tokenizer_config.json")
 
 
 def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
@@ -159,9 +164,18 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
         fail("data.seed", cfg.seed, None, "must be in [0, 2**32)", "pick another")
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: expected one of {SPLITS}")
+    if cfg.format == "sft":
+        first = sft.records_for(cfg, "train")[:1]
+        if first:
+            sft.check_renders(tokenizer, first[0])  # a template that cannot mark answers
+    else:
+        check_eos(tokenizer)
 
     def packed_rows(process_index: int, process_count: int) -> grain.IterDataset:
-        if records.uses_prepared_data(cfg):
+        if cfg.format == "sft":
+            dataset = _sft_documents(cfg, tokenizer, split, process_index, process_count,
+                                     num_epochs)
+        elif records.uses_prepared_data(cfg):
             dataset = _prepared_documents(cfg, tokenizer, split, process_index, process_count,
                                           num_epochs)
         else:
@@ -178,8 +192,8 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
             dataset = dataset.map(_TokenizeDocument(tokenizer))
         rows = grain.experimental.ConcatThenSplitIterDataset(
             dataset.to_iter_dataset(_READ_OPTIONS),
-            length_struct={"tokens": cfg.seq_len, "targets": cfg.seq_len},
-        ).map(_RowFeatures(tokenizer.pad_id))
+            length_struct={key: cfg.seq_len for key in ("tokens", "targets", "loss_mask")},
+        ).map(_row_features)
         return rows
 
     if training and cfg.streams > 1:
@@ -206,6 +220,21 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
     if training and cfg.prefetch_batches > 0:
         batches = prefetch(batches, cfg.prefetch_batches)
     return batches
+
+
+def _sft_documents(cfg: DataConfig, tokenizer: Tokenizer, split: str, process_index: int,
+                   process_count: int, num_epochs: int | None) -> grain.MapDataset:
+    """Documents ({'tokens', 'targets', 'loss_mask'} or None) of data.format=sft: this
+    process's chat records of `split` (data/sft.py), shuffled and repeated for training."""
+    chosen = sft.records_for(cfg, split, process_index, process_count)
+    if split == "train" and not chosen:
+        fail("data.source", cfg.source, None, f"no training records for stream "
+             f"{process_index} of {process_count} (processes x data.streams)",
+             "use more records or lower data.streams")
+    dataset = grain.MapDataset.source(chosen)
+    if split == "train":
+        dataset = dataset.shuffle(seed=cfg.seed).repeat(num_epochs)
+    return dataset.map(sft.SftDocument(tokenizer))
 
 
 def prefetch(batches: grain.IterDataset, size: int) -> grain.IterDataset:

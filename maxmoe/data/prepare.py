@@ -42,7 +42,7 @@ from maxmoe.data.filters import (
     token_filter,
 )
 from maxmoe.data.sources import InputOptions, ReadErrors, list_inputs, read_documents
-from maxmoe.data.tokenizer import MODEL_FILE, Tokenizer
+from maxmoe.data.tokenizer import Tokenizer, open_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ _WORKER: tuple[PrepareOptions, Tokenizer, np.dtype] | None = None
 
 def _start_worker(options: PrepareOptions, tokenizer_path: str) -> None:
     global _WORKER
-    tokenizer = Tokenizer(tokenizer_path)
+    tokenizer = open_tokenizer(tokenizer_path)
     _WORKER = (options, tokenizer, shards.token_dtype(tokenizer.vocab_size))
 
 
@@ -138,12 +138,10 @@ def prepare(inputs: list[str], tokenizer_dir: str, out: str,
     """Runs the whole preparation into `out` (resuming a previous run); returns the manifest."""
     options.check()
     files = list_inputs(inputs)
-    tokenizer_path = Path(tokenizer_dir).expanduser() / MODEL_FILE
-    if not tokenizer_path.is_file():
-        raise ConfigError(f"option --tokenizer {tokenizer_dir!r}: no {MODEL_FILE} in it; train "
-                          "one with 'maxmoe data tokenizer INPUTS --vocab-size N --out DIR'")
-    tokenizer = Tokenizer(tokenizer_path)
-    tokenizer_hash = shards.file_hash(tokenizer_path)
+    # a SentencePiece model (`maxmoe data tokenizer` trains one) or a Hugging Face folder
+    tokenizer = open_tokenizer(tokenizer_dir, f"option --tokenizer {tokenizer_dir!r}")
+    tokenizer_path = tokenizer.path
+    tokenizer_hash = tokenizer.sha256
     directory = Path(out).expanduser().resolve()
     settings = {
         "options": _settings_of(options),
@@ -152,8 +150,7 @@ def prepare(inputs: list[str], tokenizer_dir: str, out: str,
         "files": [[f, os.path.getsize(f)] for f in files],
     }
     _claim_directory(directory, settings, overwrite)
-    (directory / shards.TOKENIZER_DIR).mkdir(exist_ok=True)
-    shutil.copyfile(tokenizer_path, directory / shards.TOKENIZER_DIR / MODEL_FILE)
+    tokenizer.save(directory / shards.TOKENIZER_DIR)
 
     exact: set[bytes] = set()
     near = NearDuplicateIndex(options.dedup) if options.dedup.near else None
@@ -332,7 +329,8 @@ def _manifest(inputs: list[str], settings: dict, tokenizer: Tokenizer, tokenizer
         "inputs": list(inputs),
         "input_files": len(settings["files"]),
         "settings": settings["options"],
-        "tokenizer": {"file": f"{shards.TOKENIZER_DIR}/{MODEL_FILE}", "sha256": tokenizer_hash,
+        "tokenizer": {"file": f"{shards.TOKENIZER_DIR}/{Path(tokenizer.path).name}",
+                      "sha256": tokenizer_hash,
                       "vocab_size": tokenizer.vocab_size},
         "token_dtype": shards.token_dtype(tokenizer.vocab_size).name,
         "documents_read": sum(m["documents_read"] for m in markers),

@@ -42,7 +42,7 @@ class PreparedDataset:
         self.path = path
         self.manifest = shards.load_manifest(path)
         expected = self.manifest["tokenizer"]["sha256"]
-        if shards.file_hash(tokenizer.path) != expected:
+        if tokenizer.sha256 != expected:
             fail("data.tokenizer_dir", os.path.dirname(tokenizer.path), None,
                  f"the tokenizer there is not the one {path!r} was prepared with",
                  f"leave data.tokenizer_dir empty to use {path}/{shards.TOKENIZER_DIR}, or "

@@ -1,8 +1,14 @@
-"""SentencePiece tokenizer: load a given model, or train one on the corpus once and cache it.
+"""Tokenizers: `open_tokenizer` loads a SentencePiece model or a Hugging Face tokenizer folder
+(hf_tokenizer.py); `load_tokenizer` loads the one a config names, or trains a SentencePiece
+model on the corpus once and caches it.
 
-Training settings are chosen for source code as much as prose: byte-level BPE (byte_fallback,
-so any text round-trips and nothing is <unk>), identity normalisation and no whitespace
-squeezing (indentation and newlines carry meaning in code), whitespace-only pieces (a run of
+Every tokenizer has encode(text) -> ids (no special tokens added), decode(ids) -> text,
+vocab_size, bos_id / eos_id / pad_id (int or None), chat_template (str or None), sha256 (what
+prepared data checks) and save(directory), which writes what open_tokenizer reads back.
+
+SentencePiece training settings are chosen for source code as much as prose: byte-level BPE
+(byte_fallback, so any text round-trips and nothing is <unk>), identity normalisation and no
+whitespace squeezing (indentation and newlines carry meaning in code), whitespace-only pieces (a run of
 spaces becomes one token) and single digits (numbers tokenise consistently).
 """
 
@@ -17,14 +23,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Protocol
 
 import sentencepiece as spm
 
 from maxmoe.config import ConfigError, DataConfig, describe, fail
 from maxmoe.data.corpus import document_keys, list_documents, read_document, unit_hash
-from maxmoe.data.shards import TOKENIZER_DIR, is_prepared
+from maxmoe.data.hf_tokenizer import (
+    CONFIG_JSON,
+    TOKENIZER_JSON,
+    HFTokenizer,
+    is_hf_tokenizer_file,
+)
+from maxmoe.data.shards import TOKENIZER_DIR, file_hash, is_prepared
 
 MODEL_FILE = "tokenizer.model"
+RUN_TOKENIZER_DIR = "tokenizer"  # <run.dir>/tokenizer: the run's tokenizer, for generate and eval
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 # Everything that changes the trained model goes into the cache key below; bump
@@ -48,16 +62,39 @@ _SAMPLE_SETTINGS = dict(
 )
 
 
-class Tokenizer:
+class Tokenizer(Protocol):
+    """What the data pipeline, prepare, generate and eval need of a tokenizer."""
+    path: str  # the file the ids come from (tokenizer.model or tokenizer.json)
+    vocab_size: int  # ids are < vocab_size
+    bos_id: int | None
+    eos_id: int | None
+    pad_id: int | None
+    chat_template: str | None  # a jinja chat template (transformers' convention) or None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+    @property
+    def sha256(self) -> str: ...
+
+    def save(self, directory: str | os.PathLike) -> None: ...
+
+
+class SentencePieceTokenizer:
     """A loaded SentencePiece model. Picklable (by path), so grain workers can rebuild it."""
+
+    chat_template = None  # SentencePiece models carry none; SFT uses data/chat.py's default
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
+        self.directory = os.path.dirname(self.path)
         self._processor = spm.SentencePieceProcessor(model_file=self.path)
         self.vocab_size = self._processor.get_piece_size()
-        self.pad_id = self._processor.pad_id()
-        self.eos_id = self._processor.eos_id()
-        self.bos_id = self._processor.bos_id()
+        # SentencePiece says -1 for a token the model was trained without
+        self.pad_id, self.eos_id, self.bos_id = (
+            i if i >= 0 else None for i in (self._processor.pad_id(), self._processor.eos_id(),
+                                            self._processor.bos_id()))
 
     def encode(self, text: str) -> list[int]:
         return self._processor.encode(text)
@@ -66,6 +103,18 @@ class Tokenizer:
         # Control ids (pad, bos, eos) decode to nothing, so packed rows decode cleanly.
         return self._processor.decode([int(i) for i in ids])
 
+    @property
+    def sha256(self) -> str:
+        """The hash of the model file (prepared data records it in its manifest)."""
+        return file_hash(self.path)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Copies the model to `directory`/tokenizer.model (what open_tokenizer reads)."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        if Path(self.path).resolve() != (out / MODEL_FILE).resolve():
+            shutil.copyfile(self.path, out / MODEL_FILE)
+
     def __getstate__(self) -> dict:
         return {"path": self.path}
 
@@ -73,7 +122,59 @@ class Tokenizer:
         self.__init__(state["path"])
 
     def __repr__(self) -> str:
-        return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+        return f"SentencePieceTokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def open_tokenizer(path: str | os.PathLike, subject: str = "") -> Tokenizer:
+    """The tokenizer at `path`: a folder (or a file in it) holding a Hugging Face tokenizer
+    (tokenizer.json with tokenizer_config.json, or tokenizer.json alone) or a SentencePiece
+    tokenizer.model. A folder with both kinds is read as Hugging Face when it has
+    tokenizer_config.json (released models ship tokenizer.model beside it), else as
+    SentencePiece. `subject` (default "tokenizer 'PATH'") starts the one-line ConfigError when
+    nothing is there, e.g. the config key that named `path`."""
+    given = Path(path).expanduser()
+    if given.is_file():
+        if given.name.endswith(".json") and is_hf_tokenizer_file(given):
+            return HFTokenizer(given.parent)
+        return SentencePieceTokenizer(given)
+    hf_file = given / TOKENIZER_JSON
+    hf = hf_file.is_file() and is_hf_tokenizer_file(hf_file)
+    if hf and (given / CONFIG_JSON).is_file():
+        return HFTokenizer(given)
+    if (given / MODEL_FILE).is_file():
+        return SentencePieceTokenizer(given / MODEL_FILE)
+    if hf:
+        return HFTokenizer(given)
+    subject = subject or f"tokenizer {str(path)!r}"
+    raise ConfigError(f"{subject}: found neither {MODEL_FILE} (SentencePiece) nor "
+                      f"{TOKENIZER_JSON} (Hugging Face, with {CONFIG_JSON}) there; point it at "
+                      "a folder holding one of them")
+
+
+def save_tokenizer(tokenizer: Tokenizer, directory: str | os.PathLike) -> Path:
+    """Writes `tokenizer` (with its chat template) into `directory`, replacing what is there:
+    a run's <run.dir>/tokenizer/, which generate and eval open. Written into a private folder
+    first and renamed into place, so a reader never sees half of it. Returns the folder."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
+    try:
+        tokenizer.save(staging)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.rename(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def check_vocab_size(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """A tokenizer may have fewer ids than the model's embedding (released models pad it),
+    never more: one-line ConfigError naming both sizes."""
+    if tokenizer.vocab_size > vocab_size:
+        fail("model.vocab_size", vocab_size, None, f"the tokenizer at {tokenizer.path} has "
+             f"{tokenizer.vocab_size} tokens, more than the model's {vocab_size}",
+             f"set model.vocab_size to at least {tokenizer.vocab_size}")
 
 
 def cache_root() -> Path:
@@ -86,22 +187,15 @@ def load_tokenizer(cfg: DataConfig, vocab_size: int) -> Tokenizer:
     or one trained on cfg.source (cached on disk)."""
     directory = cfg.tokenizer_dir or _prepared_tokenizer_dir(cfg)
     if directory:
-        path = Path(directory).expanduser() / MODEL_FILE
-        if not path.is_file():
-            fail("data.tokenizer_dir", cfg.tokenizer_dir, None, f"no {MODEL_FILE} in {directory!r}",
-                 "point it at a folder holding a SentencePiece model, or leave it empty to "
-                 "train one")
-        tokenizer = Tokenizer(path)
-        if tokenizer.vocab_size != vocab_size:
-            fail("model.vocab_size", vocab_size, None, f"the tokenizer in {directory!r} has "
-                 f"{tokenizer.vocab_size} pieces", f"set model.vocab_size={tokenizer.vocab_size}")
+        tokenizer = open_tokenizer(directory, describe("data.tokenizer_dir", directory))
+        check_vocab_size(tokenizer, vocab_size)
         return tokenizer
 
     paths = list_documents(cfg.source)
     directory = cache_root() / "tokenizers" / _cache_key(paths, vocab_size)
     if not (directory / MODEL_FILE).is_file():
         _train_into(directory, cfg.source, paths, vocab_size)
-    return Tokenizer(directory / MODEL_FILE)
+    return SentencePieceTokenizer(directory / MODEL_FILE)
 
 
 def _prepared_tokenizer_dir(cfg: DataConfig) -> str:

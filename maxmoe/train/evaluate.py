@@ -25,7 +25,7 @@ from flax import nnx
 
 from maxmoe.config import Config, ConfigError, fail
 from maxmoe.data.pipeline import make_dataset
-from maxmoe.data.tokenizer import load_tokenizer
+from maxmoe.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import restore_params
 from maxmoe.train.setup import RunSetup
@@ -89,13 +89,14 @@ class Evaluator:
 
 
 def model_tokenizer(cfg: Config):
-    """The tokenizer of cfg.data; a vocabulary of another size than the model's is a config
-    error."""
+    """The tokenizer of cfg.data; a vocabulary larger than the model's is a config error (a
+    smaller one is fine: released models pad their embeddings)."""
     tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
-    if tokenizer.vocab_size != cfg.model.vocab_size:
+    if tokenizer.vocab_size > cfg.model.vocab_size:
         fail("model.vocab_size", cfg.model.vocab_size, None, f"the tokenizer at {tokenizer.path} "
-             f"has {tokenizer.vocab_size} tokens",
-             f"set model.vocab_size={tokenizer.vocab_size} or clear data.tokenizer_dir")
+             f"has {tokenizer.vocab_size} tokens, more than the model's {cfg.model.vocab_size}",
+             f"set model.vocab_size to at least {tokenizer.vocab_size} or clear "
+             "data.tokenizer_dir")
     return tokenizer
 
 
@@ -141,9 +142,12 @@ def evaluate_checkpoint(setup: RunSetup, step_dir: Path, tokenizer,
     return evaluator(params)
 
 
-def eval_tokenizer(run_cfg: Config, cfg: Config):
-    """The model's tokenizer for evaluating `cfg`'s data: the one the run trained with
-    (run_cfg.data; cfg's data.tokenizer_dir where that is set), never one trained anew on the
-    evaluation source. (A prepared source tokenized with another one fails in the pipeline.)"""
-    data = dataclasses.replace(run_cfg.data, tokenizer_dir=cfg.data.tokenizer_dir)
+def eval_tokenizer(run_cfg: Config, cfg: Config, run_dir: Path | None = None):
+    """The model's tokenizer for evaluating `cfg`'s data: the one the run trained with (cfg's
+    data.tokenizer_dir where that is set, else the copy in <run_dir>/tokenizer that training
+    saved, else run_cfg.data's), never one trained anew on the evaluation source. (A prepared
+    source tokenized with another one fails in the pipeline.)"""
+    saved = run_dir / RUN_TOKENIZER_DIR if run_dir is not None else None
+    directory = cfg.data.tokenizer_dir or (str(saved) if saved and any(saved.glob("*")) else "")
+    data = dataclasses.replace(run_cfg.data, tokenizer_dir=directory)
     return model_tokenizer(dataclasses.replace(run_cfg, data=data))

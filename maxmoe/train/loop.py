@@ -25,6 +25,9 @@ every eval step, and the checkpoint save (checkpoint.every_steps and the last st
 profiling window (logging.profile_start, `train/profiling.py`) is no after-step hook: it wraps
 the dispatch of its first and last steps, waiting for whole steps at its edges. The eval hook
 runs `train/evaluate.py`'s Evaluator, which `maxmoe eval` runs on a saved checkpoint.
+
+The run's tokenizer (with its chat template) is saved in <run.dir>/tokenizer/ at start, where
+`maxmoe generate` and `maxmoe eval` open it (data/tokenizer.py, open_tokenizer).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import jax
 
 from maxmoe.config import Config, save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
+from maxmoe.data.tokenizer import RUN_TOKENIZER_DIR, save_tokenizer
 from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.events import EventLog
 from maxmoe.metrics.flops import peak_flops
@@ -137,6 +141,8 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     check_wandb(cfg.logging)  # so does W&B asked for without its package
     run_dir = _open_run_dir(cfg)
     tokenizer = model_tokenizer(cfg)
+    if jax.process_index() == 0:  # generate and eval open <run.dir>/tokenizer
+        save_tokenizer(tokenizer, run_dir / RUN_TOKENIZER_DIR)
     dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
                            process_count=jax.process_count())
     setup = prepare_run(cfg, mesh_sizes)

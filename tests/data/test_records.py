@@ -55,7 +55,7 @@ def test_tokenizer_comes_from_the_prepared_folder(prepared):
     cfg, tokenizer = prepared
     assert tokenizer.path.startswith(cfg.source)
     with pytest.raises(ConfigError, match="model.vocab_size"):
-        load_tokenizer(cfg, 512)
+        load_tokenizer(cfg, 256)  # fewer ids than the tokenizer has
 
 
 def test_attention_never_crosses_documents_and_little_waste(prepared):
@@ -151,7 +151,12 @@ def test_mixture_gives_each_dataset_its_token_share(tmp_path, tokenizer_dir, pre
 
 
 def test_wrong_tokenizer_is_refused(prepared, tmp_path):
-    from maxmoe.data.tokenizer import MODEL_FILE, Tokenizer, sentence_chunks, train_model
+    from maxmoe.data.tokenizer import (
+        MODEL_FILE,
+        SentencePieceTokenizer,
+        sentence_chunks,
+        train_model,
+    )
 
     cfg, _ = prepared
     rng = random.Random(9)
@@ -159,4 +164,4 @@ def test_wrong_tokenizer_is_refused(prepared, tmp_path):
     model = train_model(sentence_chunks(text), 300, problem_key="test", sample="test")
     (tmp_path / MODEL_FILE).write_bytes(model)
     with pytest.raises(ConfigError, match="not the one"):
-        make_dataset(cfg, Tokenizer(tmp_path / MODEL_FILE))
+        make_dataset(cfg, SentencePieceTokenizer(tmp_path / MODEL_FILE))
