@@ -90,7 +90,7 @@ def run(args) -> int:
         cfg, hf_config, _ = read_converted(ckpt)
     except ConversionError as e:
         raise ConfigError(str(e)) from None
-    tokenizer = P.find_tokenizer(ckpt, args.tokenizer)
+    tokenizer = P.find_tokenizer(ckpt, args.tokenizer, cfg.model.vocab_size)
     pad_id = next((i for i in (args.pad_id, getattr(tokenizer, "pad_id", None),
                                getattr(tokenizer, "eos_id", None)) if i is not None), 0)
     eos_id = args.eos_id if args.eos_id is not None else getattr(tokenizer, "eos_id", None)

@@ -8,26 +8,18 @@ from pathlib import Path
 import numpy as np
 
 from maxmoe.config import Config, ConfigError
-from maxmoe.data import tokenizer as tokenizers
+from maxmoe.data.tokenizer import check_vocab_size, open_tokenizer
 
 
-def find_tokenizer(ckpt: Path, given: str | None):
+def find_tokenizer(ckpt: Path, given: str | None, vocab_size: int):
     """The Tokenizer of --tokenizer DIR, else of <ckpt>/tokenizer (a run saves it there), else
-    None. Raises ConfigError when --tokenizer is given but unusable."""
-    path = Path(given) if given else ckpt / "tokenizer"
-    if not given and not path.exists():
+    None. Raises ConfigError when --tokenizer is unusable or has more ids than the model."""
+    if not given and not (ckpt / "tokenizer").exists():
         return None
-    if not path.exists():
-        raise ConfigError(f"--tokenizer {given!r}: not found; pass a tokenizer directory "
-                          "(tokenizer.json or a SentencePiece model)")
-    # open_tokenizer (SentencePiece or HF tokenizer.json) comes with issue 27's tokenizer work
-    open_tokenizer = getattr(tokenizers, "open_tokenizer", None)
-    if open_tokenizer is None:
-        if given:
-            raise ConfigError(f"--tokenizer {given!r}: this build reads no tokenizer "
-                              "directories yet; pass token ids with --input ids.npy")
-        return None
-    return open_tokenizer(path)
+    tokenizer = (open_tokenizer(given, "--tokenizer") if given
+                 else open_tokenizer(ckpt / "tokenizer"))
+    check_vocab_size(tokenizer, vocab_size)
+    return tokenizer
 
 
 def text_prompts(texts: list[str], prompts_file: str | None, tokenizer) -> list[list[int]]:
