@@ -175,7 +175,8 @@ def write_generation(name: str) -> None:
     out = OUT / name
     config._attn_implementation = "eager"
     model = cls.from_pretrained(out, config=config, dtype=torch.float32).eval()
-    model.set_experts_implementation("eager") if hasattr(model, "set_experts_implementation") else None
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
     ids = torch.from_numpy(np.load(out / "input_ids.npy").astype(np.int64))
     with torch.no_grad():
         logits = model(ids).logits.float().numpy()

@@ -49,7 +49,8 @@ def id_prompts(path: str, pad_id: int | None) -> list[list[int]]:
     try:
         data = np.load(path, allow_pickle=False)
     except ValueError as e:
-        raise ConfigError(f"--input {path!r}: unreadable ({e}); pass a .npy or .npz of ids") from None
+        raise ConfigError(f"--input {path!r}: unreadable ({e}); pass a .npy or .npz of "
+                          "ids") from None
     arrays = ([data[k] for k in data.files] if isinstance(data, np.lib.npyio.NpzFile)
               else list(data if data.ndim == 2 else data[None]))
     if not arrays or any(a.ndim != 1 or not np.issubdtype(a.dtype, np.integer) or not a.size
