@@ -47,6 +47,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--output", metavar="IDS", help=".npy to write the int32 ids to")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer directory (default "
                    "CKPT/tokenizer)")
+    p.add_argument("--add-bos", action="store_true", help="start each text prompt with the "
+                   "tokenizer's BOS id (released models that expect one)")
     p.add_argument("--pad-id", type=int, metavar="ID", help="id to left-pad prompts with and "
                    "fill after EOS")
     p.add_argument("--eos-id", type=int, metavar="ID",
@@ -96,6 +98,10 @@ def run(args) -> int:
     eos_id = args.eos_id if args.eos_id is not None else getattr(tokenizer, "eos_id", None)
     rows = (P.id_prompts(args.input, args.pad_id) if args.input
             else P.text_prompts(args.prompt, args.prompts_file, tokenizer))
+    if args.add_bos and not args.input:
+        if getattr(tokenizer, "bos_id", None) is None:
+            raise ConfigError("--add-bos: the tokenizer has no BOS token; drop --add-bos")
+        rows = [[tokenizer.bos_id, *row] for row in rows]
     P.check_prompts(rows, args.max_new_tokens, P.max_positions(cfg, hf_config),
                     cfg.model.vocab_size)
     mesh = parse_mesh(args.mesh) if args.mesh else None

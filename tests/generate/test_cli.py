@@ -49,11 +49,13 @@ def one_error_line(capsys) -> str:
     (["--input", "IDS", "--mesh", "pipeline=2"], "decoding runs no pipeline"),
     (["--input", "IDS", "--temperature", "-1"], "need temperature >= 0"),
     (["--prompt", "w3", "--tokenizer", "BIG"], "model.vocab_size"),
+    (["--prompt", "w3", "--tokenizer", "WORDS", "--add-bos"], "has no BOS token"),
 ])
 def test_bad_input_is_one_line_and_exit_2(ckpt, tmp_path, capsys, argv, says):
     np.save(tmp_path / "long.npy", np.ones((1, 300), np.int32))
     paths = {"LONG": str(tmp_path / "long.npy"), "IDS": str(FIXTURES / NAME / "input_ids.npy"),
-             "BIG": str(word_tokenizer(tmp_path / "big", 100))}
+             "BIG": str(word_tokenizer(tmp_path / "big", 100)),
+             "WORDS": str(word_tokenizer(tmp_path / "words", 64))}
     assert main(["generate", str(ckpt), *[paths.get(a, a) for a in argv]]) == 2
     assert says in one_error_line(capsys)
 
