@@ -13,6 +13,7 @@ import pytest
 
 from maxmoe.convert.from_hf import read_hf
 from maxmoe.generate.decode import Decoder, left_pad
+from maxmoe.generate.mesh import decode_rules
 from maxmoe.generate.sampling import Sampling, choose, top_p_filter
 from tests.helpers import per_layer
 
@@ -59,14 +60,19 @@ def test_greedy_equals_hf_generate_and_the_uncached_forward(name):
     assert_cached_logits_match(decoder, out, ids.shape[1])
 
 
-@pytest.mark.parametrize("name", ["mixtral", "deepseek_v3_qlora_interleave_yarn"])
-def test_tensor_2_by_expert_4_equals_one_device(name):
-    """8 fake devices, heads / MLP / vocab over tensor=2 and experts over expert=4 (batch 2
-    not split: the expert axis does not divide it): the same greedy ids as one device's
-    (generate.npy, equal to them by the test above) and the same logits."""
+@pytest.mark.parametrize("name, mesh", [
+    ("mixtral", {"tensor": 2, "expert": 4}),
+    ("deepseek_v3_qlora_interleave_yarn", {"tensor": 2, "expert": 4}),
+    ("deepseek_v2_lite_greedy", {"tensor": 2, "fsdp": 2}),
+])
+def test_sharded_decoding_equals_one_device(name, mesh):
+    """Fake devices, heads / MLP / vocab over tensor=2 and experts over expert=4 (batch 2 not
+    split: the expert axis does not divide it), or tensor=2 x fsdp=2 (batch split over fsdp;
+    experts unsplit, so decode steps gather them, decode_moe.py): the same greedy ids as one
+    device's (generate.npy, equal to them by the test above) and the same logits."""
     cfg, params, ids = fixture(name)
-    decoder = Decoder(cfg, params, mesh={"tensor": 2, "expert": 4})
-    assert decoder.sizes["tensor"] * decoder.sizes["expert"] == 8
+    decoder = Decoder(cfg, params, mesh=mesh)
+    assert decoder.sizes == {"data": 1, "pipeline": 1, "fsdp": 1, "expert": 1, **mesh}
     out = greedy(decoder, ids)
     np.testing.assert_array_equal(out.tokens, np.load(FIXTURES / name / "generate.npy"))
     assert_cached_logits_match(decoder, out, ids.shape[1])
@@ -150,3 +156,13 @@ def test_sampled_generation_is_reproducible_per_seed():
             for seed in (1, 1, 2)]
     np.testing.assert_array_equal(runs[0], runs[1])
     assert not np.array_equal(runs[0], runs[2])
+
+
+def test_decode_rules_split_the_batch_only_over_axes_that_divide_it():
+    cfg, _, _ = fixture("mixtral")
+    sizes = {"data": 2, "fsdp": 2, "pipeline": 1, "expert": 4, "tensor": 1}
+    assert decode_rules(cfg, sizes, 1)["batch"] == []
+    assert decode_rules(cfg, sizes, 2)["batch"] == ["data"]
+    assert decode_rules(cfg, sizes, 4)["batch"] == ["data", "fsdp"]
+    assert decode_rules(cfg, sizes, 16)["batch"] == ["data", "fsdp", "expert"]
+    assert decode_rules(cfg, sizes, 4)["experts"] == ["expert"]  # weights keep the run's rules
