@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxmoe.convert.from_hf import read_hf
-from maxmoe.generate.decode import Decoder, left_pad
+from maxmoe.generate.decode import Decoder, decode_config, left_pad
 from maxmoe.generate.mesh import decode_rules
 from maxmoe.generate.sampling import Sampling, choose, top_p_filter
 from tests.helpers import per_layer
@@ -166,3 +166,11 @@ def test_decode_rules_split_the_batch_only_over_axes_that_divide_it():
     assert decode_rules(cfg, sizes, 4)["batch"] == ["data", "fsdp"]
     assert decode_rules(cfg, sizes, 16)["batch"] == ["data", "fsdp", "expert"]
     assert decode_rules(cfg, sizes, 4)["experts"] == ["expert"]  # weights keep the run's rules
+
+
+def test_decoding_is_dropless_whatever_the_run_trained_with():
+    cfg, _, _ = fixture("mixtral")
+    capacity = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="capacity"))
+    assert decode_config(capacity, "bfloat16").moe.dispatch == "dropless"
+    assert decode_config(capacity, "bfloat16").precision.compute_dtype == "bfloat16"
+    assert decode_config(cfg, "float32", experts_split=True).moe.grouped_matmul == "ragged_dot"
