@@ -18,6 +18,7 @@ from maxmoe.commands import (
     data,
     eval as evaluate,  # `eval` itself would shadow the builtin
     forward,
+    generate,
     plan,
     report,
     train,
@@ -25,7 +26,7 @@ from maxmoe.commands import (
 from maxmoe.config import ConfigError
 
 # the order `maxmoe --help` lists them in
-COMMANDS = (train, evaluate, plan, data, bench, convert, forward, report)
+COMMANDS = (train, evaluate, generate, plan, data, bench, convert, forward, report)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,10 +5,14 @@ Needs torch + transformers (not needed by the test suite, which reads the commit
     pip install torch==2.13.0 && pip install transformers safetensors
     python tools/make_hf_fixtures.py            # all fixtures
     python tools/make_hf_fixtures.py NAME ...   # only these (each keeps its seed)
+    python tools/make_hf_fixtures.py --generate-only [NAME ...]   # only generate.npy, from
+        # the committed model.safetensors (the other files stay byte-identical)
 
 Each fixture directory holds config.json and model.safetensors (as `save_pretrained` writes
 them, hub tensor names), input_ids.npy [B, S], logits.npy [B, S, V] (float32, eager attention
-and experts) and experts.npz (`layer_<i>`: the [B*S, K] expert ids the router picked).
+and experts), experts.npz (`layer_<i>`: the [B*S, K] expert ids the router picked) and
+generate.npy [B, S + GENERATE_TOKENS] (int32: input_ids, then HF `generate`'s greedy tokens in
+float32 with the KV cache, EOS stopping off).
 HF's random init leaves norms at 1 and DeepSeek's e_score_correction_bias at 0, which would hide
 bugs, so both are perturbed. Weights are rounded to bfloat16 where the fixture is saved in
 bfloat16, so the float32 reference logits are exactly those of the saved weights.
@@ -36,6 +40,7 @@ from transformers import (
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
 BATCH, SEQ = 2, 12
+GENERATE_TOKENS = 8
 COMMON = dict(vocab_size=64, hidden_size=16, initializer_range=0.25, max_position_embeddings=256,
               tie_word_embeddings=False)
 
@@ -151,6 +156,38 @@ def rewrite_config(path: Path, options: dict) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
+def greedy_generation(model, ids: torch.Tensor) -> np.ndarray:
+    """[B, S + GENERATE_TOKENS] int32: HF greedy decoding (float32, KV cache) of every row,
+    EOS stopping off so that each row gets all its tokens."""
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=GENERATE_TOKENS, min_new_tokens=GENERATE_TOKENS,
+                             do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones_like(ids))
+    assert out.shape == (ids.shape[0], ids.shape[1] + GENERATE_TOKENS), out.shape
+    return out.numpy().astype(np.int32)
+
+
+def write_generation(name: str) -> None:
+    """generate.npy of fixture `name` from its committed weights (loaded into the HF model in
+    float32; their logits are checked against the committed logits.npy first)."""
+    cls, config, _, _ = FIXTURES[name]
+    out = OUT / name
+    config._attn_implementation = "eager"
+    model = cls.from_pretrained(out, config=config, dtype=torch.float32).eval()
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    ids = torch.from_numpy(np.load(out / "input_ids.npy").astype(np.int64))
+    with torch.no_grad():
+        logits = model(ids).logits.float().numpy()
+    err = np.abs(logits - np.load(out / "logits.npy")).max()
+    if err > 1e-5:
+        raise SystemExit(f"{name}: committed weights give logits {err:.2e} off logits.npy")
+    generated = greedy_generation(model, ids)
+    np.save(out / "generate.npy", generated)
+    print(f"{name}: generate.npy {list(generated.shape)} (logits check {err:.1e})")
+
+
 def main(names: list[str]) -> None:
     unknown = sorted(set(names) - set(FIXTURES))
     if unknown:
@@ -176,10 +213,15 @@ def main(names: list[str]) -> None:
         np.save(out / "input_ids.npy", ids.numpy().astype(np.int32))
         np.save(out / "logits.npy", logits)
         np.savez(out / "experts.npz", **picked)
+        np.save(out / "generate.npy", greedy_generation(model.to(torch.float32), ids))
         size = sum(f.stat().st_size for f in out.iterdir())
         print(f"{name}: {size / 1024:.0f} KiB, logits std {logits.std():.3f}, "
               f"{len(picked)} MoE layers")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--generate-only"]:
+        for fixture in sys.argv[2:] or list(FIXTURES):
+            write_generation(fixture)
+    else:
+        main(sys.argv[1:])

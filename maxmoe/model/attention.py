@@ -5,12 +5,14 @@ MLA (mla.py) from the config."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
 from maxmoe.kernels.attention import attention_core, fused_attention
 from maxmoe.kernels.fp8 import project
+from maxmoe.model import kv_cache
 from maxmoe.model.layers import RMSNorm, param
 from maxmoe.model.mla import LatentAttention
 from maxmoe.model.rope import apply_rope
@@ -61,6 +63,30 @@ class Attention(nnx.Module):
                 out = project(out, c(self.o), self.fp8, "bhsk,hkd->bsd")
         out = shard(out, ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")
+
+
+    def extend(self, x, positions, cache, start, kv_valid):
+        """Decoding with a KV cache: x [B, S, D] are the tokens of cache slots start..start+S-1
+        at positions [B, S]; cache (k, v) [B, T, KV, Dh] (roped keys); kv_valid [B, T] the
+        slots holding real tokens (model/kv_cache.py) -> (out [B, S, D], updated cache)."""
+        cfg = self.cfg
+        c = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        heads = ("batch", "seq", "act_heads", None)
+        q, k, v = (jnp.einsum("bsd,dhk->bshk", x, c(w)) for w in (self.q, self.k, self.v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        length = cache[0].shape[1]
+        q = shard(apply_rope(q, positions, cfg, length), heads)
+        cache = (kv_cache.write(cache[0], apply_rope(k, positions, cfg, length), start),
+                 kv_cache.write(cache[1], v, start))
+        b, s, _, hd = q.shape
+        q = (q * hd ** -0.5).reshape(b, s, cfg.num_kv_heads, -1, hd)  # [B, S, K, G, Dh]
+        scores = jnp.einsum("bskgd,btkd->bkgst", q, cache[0], preferred_element_type=jnp.float32)
+        probs = jax.nn.softmax(scores + kv_cache.cache_bias(start, s, kv_valid)[:, :, None], -1)
+        out = jnp.einsum("bkgst,btkd->bskgd", probs.astype(cache[1].dtype), cache[1])
+        out = shard(out.reshape(b, s, cfg.num_heads, -1), heads)
+        out = jnp.einsum("bshk,hkd->bsd", out, c(self.o))
+        return shard(out, ("batch", "seq", "act_embed")), cache
 
 
 def make_attention(cfg: AttentionConfig, dim: int, *, std: float, dtype, rngs: nnx.Rngs,

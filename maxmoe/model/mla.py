@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 from maxmoe.config import AttentionConfig
 from maxmoe.kernels.attention import attention_core, fused_attention
 from maxmoe.kernels.fp8 import project
+from maxmoe.model import kv_cache
 from maxmoe.model.layers import RMSNorm, param
 from maxmoe.model.rope import apply_rope, yarn_mscale
 from maxmoe.sharding import shard
@@ -93,3 +94,35 @@ class LatentAttention(nnx.Module):
         with jax.named_scope("projection"):
             out = shard(project(out, c(self.o), self.fp8, layout), ("batch", "seq", "act_embed"))
         return checkpoint_name(out, "attn_out")
+
+    def extend(self, x, positions, cache, start, kv_valid):
+        """Decoding with a KV cache: x [B, S, D] are the tokens of cache slots start..start+S-1
+        at positions [B, S]; cache (latent [B, T, C], roped k_pe [B, T, R]); kv_valid [B, T]
+        (model/kv_cache.py) -> (out [B, S, D], updated cache).
+
+        k_nope and v are absorbed, never expanded per cached slot: q_nope @ k_nope^T gives a
+        query in latent space [B, S, H, C] scored against the cached latent, and the
+        attention output stays in latent space until its v projection."""
+        cfg = self.cfg
+        c = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        heads = ("batch", "seq", "act_heads", None)
+        if self.q is not None:
+            q = jnp.einsum("bsd,dhk->bshk", x, c(self.q))
+        else:
+            q = jnp.einsum("bsq,qhk->bshk", self.q_a_norm(x @ c(self.q_a)), c(self.q_b))
+        q = shard(q, heads)
+        length = cache[0].shape[1]
+        q_pe = apply_rope(q[..., cfg.qk_nope_head_dim:], positions, cfg, length)
+        k_pe = apply_rope((x @ c(self.k_rope))[:, :, None, :], positions, cfg, length)[:, :, 0]
+        cache = (kv_cache.write(cache[0], self.kv_a_norm(x @ c(self.kv_a)), start),
+                 kv_cache.write(cache[1], k_pe, start))
+        q_latent = jnp.einsum("bshk,chk->bshc", q[..., :cfg.qk_nope_head_dim], c(self.k_nope))
+        f32 = jnp.float32
+        scores = (jnp.einsum("bshc,btc->bhst", q_latent, cache[0], preferred_element_type=f32)
+                  + jnp.einsum("bshr,btr->bhst", q_pe, cache[1], preferred_element_type=f32))
+        probs = jax.nn.softmax(scores * softmax_scale(cfg)
+                               + kv_cache.cache_bias(start, x.shape[1], kv_valid), axis=-1)
+        out_latent = jnp.einsum("bhst,btc->bshc", probs.astype(cache[0].dtype), cache[0])
+        out = shard(jnp.einsum("bshc,chk->bshk", out_latent, c(self.v)), heads)
+        out = jnp.einsum("bshk,hkd->bsd", out, c(self.o))
+        return shard(out, ("batch", "seq", "act_embed")), cache

@@ -47,8 +47,11 @@ def rope_frequencies(cfg: AttentionConfig, dim: int) -> tuple[np.ndarray, float]
     return inv_freq.astype(np.float32), float(scale)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, cfg: AttentionConfig) -> jax.Array:
+def apply_rope(x: jax.Array, positions: jax.Array, cfg: AttentionConfig,
+               length: int | None = None) -> jax.Array:
     """x [B, S, N, R] (N heads, R rotary dims), positions [B, S] -> rotated x, same shape.
+    length: the table's positions (default S; decoding passes its cache length, as one new
+    token sits at a position beyond its own S = 1).
 
     Interleaved weights rotate pairs (2i, 2i+1); we de-interleave to (evens, odds) and rotate
     halves. The output stays de-interleaved: q and k get the same permutation, so q.k is unchanged.
@@ -60,7 +63,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: AttentionConfig) -> jax.
     (docs/performance.md, Attention kernel).
     """
     inv_freq, scale = rope_frequencies(cfg, x.shape[-1])
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)
+    angles = jnp.arange(length or x.shape[1], dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)
     table = jnp.stack([jnp.cos(angles), jnp.sin(angles)]) * scale  # [2, S, R/2]
     cos, sin = jnp.take(table, positions, axis=1, mode="fill", fill_value=jnp.nan)[..., None, :]
     xf = x.astype(jnp.float32)

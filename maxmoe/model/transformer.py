@@ -19,6 +19,7 @@ from flax import nnx
 from maxmoe.config import AttentionConfig, Config, ModelConfig, MoEConfig
 from maxmoe.kernels.lm_loss import chunked_lm_loss
 from maxmoe.model.attention import make_attention
+from maxmoe.model.decode_moe import moe_step
 from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
@@ -70,6 +71,15 @@ class Block(nnx.Module):
         x = shard(x + y, ("batch", "seq", "act_embed"))
         aux["activation_rms"] = jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
         return x, aux
+
+    def extend(self, x, positions, cache, start, kv_valid):
+        """__call__ for decoding: attention reads and updates its KV cache (Attention.extend,
+        LatentAttention.extend), MoE runs only its chosen experts (decode_moe.py) -> (x, cache)."""
+        attn, cache = self.attn.extend(self.attn_norm(x), positions, cache, start, kv_valid)
+        x = x + attn
+        h = self.mlp_norm(x)
+        y = moe_step(self.mlp, h) if isinstance(self.mlp, MoE) else self.mlp(h)
+        return shard(x + y, ("batch", "seq", "act_embed")), cache
 
 
 def _stack(n: int, make, rngs: nnx.Rngs, per_layer: bool = False):
@@ -216,6 +226,29 @@ class Transformer(nnx.Module):
         if moe_auxs:
             aux.update({k: _join(moe_auxs, k) for k in moe_auxs[0]})
         return x, aux
+
+    def extend(self, tokens, positions, caches: list, start, kv_valid):
+        """Decoding: tokens [B, S] of cache slots start..start+S-1 at positions [B, S] through
+        every layer with its KV cache (model/kv_cache.py's init_cache layout; kv_valid [B, T])
+        -> (last hidden state [B, S, D] before the final norm, updated caches). No pipeline,
+        no MTP; MoE layers route as in training (dropless unless the config says otherwise)."""
+        x = self.embed(tokens)
+        out = []
+        for stack, cache in zip(self.layer_groups, caches, strict=True):
+            if isinstance(stack, nnx.List):
+                cache = list(cache)
+                for i, block in enumerate(stack):
+                    x, cache[i] = block.extend(x, positions, cache[i], start, kv_valid)
+            else:
+                graphdef, state = nnx.split(stack)
+
+                def layer(h, state_and_cache, graphdef=graphdef):
+                    block = nnx.merge(graphdef, state_and_cache[0])
+                    return block.extend(h, positions, state_and_cache[1], start, kv_valid)
+
+                x, cache = jax.lax.scan(layer, x, (state, cache))
+            out.append(cache)
+        return x, out
 
     def logits(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
         """x [B, S, D] -> logits [B, S, V] float32 (final norm, then the LM head)."""
