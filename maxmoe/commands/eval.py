@@ -83,13 +83,15 @@ def run(args) -> int:
         report = {"checkpoint": str(step_dir), "step": int(step_dir.name), "data": source,
                   "split": args.split, "eval_loss": result.loss,
                   "perplexity": result.perplexity, "batches": result.batches,
-                  "tokens": result.tokens, "tokens_per_second": result.tokens_per_second,
+                  "tokens": result.tokens, "loss_tokens": result.loss_tokens,
+                  "tokens_per_second": result.tokens_per_second,
                   "seconds": result.seconds, "compile_s": result.compile_seconds}
         print("\n".join([
             f"checkpoint  {step_dir} (step {step_dir.name})",
             f"data        {source} ({args.split}): {result.batches} batches of "
             f"{cfg.data.global_batch_size} x {cfg.data.seq_len} tokens",
-            f"eval loss   {result.loss:.4f} nats/token (next-token cross-entropy)",
+            f"eval loss   {result.loss:.4f} nats/token (next-token cross-entropy over "
+            f"{result.loss_tokens} target tokens)",
             f"perplexity  {result.perplexity:.2f}",
             f"tokens/s    {result.tokens_per_second:.0f} over {result.seconds:.1f} s "
             f"(compile {result.compile_seconds:.1f} s apart)"]), file=sys.stderr)

@@ -250,11 +250,18 @@ class Transformer(nnx.Module):
             out.append(cache)
         return x, out
 
+    def head_weight(self) -> jax.Array:
+        """The LM head [D, V] in the compute dtype, cast where it is still split by its
+        ("embed", "vocab") rules: whatever gathers it for the matmul then moves and holds the
+        compute dtype, not a float32 [D, V] copy."""
+        return shard(shard(self.lm_head[...], ("embed", "vocab")).astype(self.dtype),
+                     ("embed", "vocab"))
+
     def logits(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
         """x [B, S, D] -> logits [B, S, V] float32 (final norm, then the LM head)."""
         with jax.named_scope("lm_head"):
             x = (norm or self.final_norm)(x)
-            logits = lm_head_matmul(x, self.lm_head[...].astype(self.dtype))
+            logits = lm_head_matmul(x, self.head_weight())
             return shard(logits, ("batch", "seq", "act_vocab"))
 
     def _lm_loss(self, x, targets, mask, norm: RMSNorm | None = None,
@@ -267,7 +274,7 @@ class Transformer(nnx.Module):
             return _cross_entropy(self.logits(x, norm), targets, mask, tokens)
         with jax.named_scope("lm_head"):
             h = (norm or self.final_norm)(x)
-            total = chunked_lm_loss(h, self.lm_head[...].astype(self.dtype), targets, mask,
+            total = chunked_lm_loss(h, self.head_weight(), targets, mask,
                                     chunk)
         return total / jnp.maximum(jnp.sum(mask) if tokens is None else tokens, 1.0)
 

@@ -216,14 +216,17 @@ def _rounds_bwd(route, res, gy):
         return (*(g.astype(a.dtype) for g, a in zip(grads, diff, strict=True)),
                 *(None for _ in plan))
 
-    # gradients summed over rounds in each input's own dtype: a float32 copy of the local
-    # expert weights' gradients would be the largest buffer of the layer (one round, the
-    # usual case, adds to zeros: exact)
+    # gradients summed over rounds in float32, cast to each input's dtype once at the end:
+    # summed in bf16, every round's add rounded to the running sum and the weight-gradient
+    # error grew with the round count (docs/performance.md, Multi-round gradients). The
+    # float32 accumulators of the local expert weights are what the blocked kernel holds too.
     def step(r, acc):
         _, vjp = jax.vjp(lambda *a: _one_round(route, r, *a, *routing), *diff)
-        return tuple(s + g for s, g in zip(acc, vjp(gy), strict=True))
-    grads = jax.lax.fori_loop(0, rounds, step, tuple(jnp.zeros_like(a) for a in diff))
-    return (*grads, *(None for _ in plan))
+        return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, vjp(gy), strict=True))
+    grads = jax.lax.fori_loop(0, rounds, step,
+                              tuple(jnp.zeros(a.shape, jnp.float32) for a in diff))
+    return (*(g.astype(a.dtype) for g, a in zip(grads, diff, strict=True)),
+            *(None for _ in plan))
 
 
 exchange_rounds.defvjp(_rounds_fwd, _rounds_bwd)

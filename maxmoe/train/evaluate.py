@@ -2,8 +2,10 @@
 
 `Evaluator(cfg, trainer, tokenizer)(state)` reads the first train.eval_batches batches of the
 validation split (the same ones on every call), runs one compiled forward per batch and returns
-an `Evaluation`: the mean over batches of each batch's next-token cross-entropy (the auxiliary
-MoE losses are not a language metric), its perplexity and the throughput. `state` is a train
+an `Evaluation`: the next-token cross-entropy summed over every real target token of those
+batches divided by their count (token-weighted: a batch with padding rows or fewer loss tokens
+counts less; the auxiliary MoE losses are not a language metric), its perplexity and the
+throughput. `state` is a train
 state or any dict with its "params" (and "buffers", the router bias, where the model has them),
 so a full state in the loop and a params-only restore (`evaluate_checkpoint`) give the same
 figures bit for bit on the same mesh: same batches, same compiled function, same inputs.
@@ -20,12 +22,14 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from maxmoe.config import Config, ConfigError, fail
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
+from maxmoe.model.transformer import LossShare, loss_token_counts
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import restore_params
 from maxmoe.train.setup import RunSetup
@@ -34,11 +38,12 @@ from maxmoe.train.setup import RunSetup
 @dataclasses.dataclass(frozen=True)
 class Evaluation:
     """What one evaluation measured."""
-    loss: float  # mean over batches of the batch's mean next-token cross-entropy, nats
+    loss: float  # next-token cross-entropy summed over all loss tokens / their count, nats
     batches: int  # batches read (fewer than asked when the split ends first)
     tokens: int  # positions run through the model: batches x global batch x seq_len
     seconds: float  # wall time of the batches (reading data included), compile excluded
     compile_seconds: float  # compiling the forward on this call (0.0 once compiled)
+    loss_tokens: int = 0  # real target tokens the loss averages over (loss_mask's sum)
 
     @property
     def perplexity(self) -> float:
@@ -63,14 +68,20 @@ class Evaluator:
                                     process_count=jax.process_count())
         self._compiled = None
 
+        mtp_depth = cfg.model.mtp_depth
+
         def batch_loss(params, buffers, batch):
-            return nnx.merge(trainer.graphdef, params, *buffers).loss(batch)[1]["ce_loss"]
+            """(summed CE over the batch's loss tokens, their count), float32: a LossShare of
+            denominator 1 turns the model's mean into the sum (one compiled forward)."""
+            share = LossShare(jnp.ones((1 + mtp_depth,), jnp.float32), 1)
+            model = nnx.merge(trainer.graphdef, params, *buffers)
+            return model.loss(batch, share)[1]["ce_loss"], loss_token_counts(batch, 0)[0]
 
         self._batch_loss = jax.jit(batch_loss)
 
     def __call__(self, state) -> Evaluation:
         params, buffers = state["params"], (state["buffers"],) if "buffers" in state else ()
-        losses, compile_s = [], 0.0
+        sums, compile_s = [], 0.0
         t = time.perf_counter()
         with use_mesh(self.trainer.mesh, self.trainer.rules):
             for i, local in enumerate(self.dataset):
@@ -81,11 +92,12 @@ class Evaluator:
                     c = time.perf_counter()
                     self._compiled = self._batch_loss.lower(params, buffers, batch).compile()
                     compile_s = time.perf_counter() - c
-                losses.append(self._compiled(params, buffers, batch))
-            loss = float(np.mean(jax.device_get(losses))) if losses else math.nan
+                sums.append(self._compiled(params, buffers, batch))
+            total, count = np.asarray(jax.device_get(sums), np.float64).reshape(-1, 2).sum(0)
+        loss = float(total / count) if count > 0 else math.nan  # no batch or no loss token
         seconds = time.perf_counter() - t - compile_s
-        tokens = len(losses) * self.cfg.data.global_batch_size * self.cfg.data.seq_len
-        return Evaluation(loss, len(losses), tokens, seconds, compile_s)
+        tokens = len(sums) * self.cfg.data.global_batch_size * self.cfg.data.seq_len
+        return Evaluation(loss, len(sums), tokens, seconds, compile_s, int(count))
 
 
 def model_tokenizer(cfg: Config):
