@@ -375,8 +375,8 @@ def check_pipeline(cfg: Config, sizes: dict[str, int], need: Need) -> None:
     inside = stage_batch_shards(cfg, sizes)
     need(per_step % (micro * inside) == 0, "data.global_batch_size",
          f"each of the {micro} pipeline microbatches needs a whole number of rows per batch "
-         f"shard of a stage ({inside})", f"use a multiple of {micro * inside} (x "
-         "train.grad_accum_steps)")
+         f"shard of a stage ({inside})", f"use a larger multiple of the batch shards: of {micro * inside} x "
+         "train.grad_accum_steps")
 
 
 def check_model_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
@@ -427,9 +427,8 @@ def check_batch_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
     """The global batch splits into whole rows per batch shard and accumulation step."""
     batch_shards = shards(cfg, sizes, "batch") * cfg.train.grad_accum_steps
     need(cfg.data.global_batch_size % batch_shards == 0, "data.global_batch_size",
-         f"not divisible by batch shards x grad_accum_steps ({batch_shards}: mesh axes "
-         f"{[a for a in cfg.mesh.rules['batch'] if sizes[a] > 1]} x "
-         f"{cfg.train.grad_accum_steps})",
+         f"not divisible by batch shards x grad_accum_steps ({batch_shards}) over mesh axes "
+         f"{[a for a in cfg.mesh.rules['batch'] if sizes[a] > 1]}",
          f"use a multiple of {batch_shards}")
 
 

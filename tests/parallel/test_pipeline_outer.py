@@ -53,7 +53,7 @@ def test_global_batch_must_split_over_the_stage_axis_too():
     with pytest.raises(ConfigError) as err:
         validate(cfg, 8, origins)
     message = str(err.value)
-    assert "data.global_batch_size" in message and "(8: mesh axes" in message, message
+    assert "data.global_batch_size" in message and "(8) over mesh axes ['data', 'pipeline']" in message, message
     assert "\n" not in message.strip()
 
 
