@@ -6,6 +6,8 @@ GSPMD-style `Auto`: XLA propagates shardings between the constraints we place, w
 model code free of `out_sharding` plumbing (jax 0.10's `make_mesh` default is Explicit).
 Activations follow the rules table (`spec`, `shard`); the train state is stored over every
 mesh axis that fits it (`state_dim_axes`, ZeRO-3), and XLA gathers it where it is used.
+The pipeline's stages trace under `within_stages`, which takes the stage axes out of every
+logical axis but the stacks' (outside the pipeline they split the batch too).
 """
 
 from __future__ import annotations
