@@ -244,9 +244,7 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
 
     stage_index = jnp.arange(stages)
     buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
-    # every stage's rows of its batch shard, whole over the stage axes (stage 0 reads it):
-    # left free, it took the exit's split over them and was gathered back every iteration
-    out = shard(jnp.zeros_like(xs), (None, "batch", "seq", "act_embed"))
+    out = jnp.zeros_like(xs)
     mask = jnp.asarray(mask)
     aux_shapes = jax.eval_shape(lambda: all_stages(
         stage_params, mask, buf, jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
@@ -275,7 +273,6 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
         done = (last >= 0) & (last < repeats * m)
         out = jnp.where(done, jax.lax.dynamic_update_index_in_dim(
             out, h[stages - 1], jnp.clip(last, 0, repeats * m - 1) % m, 0), out)
-        out = shard(out, (None, "batch", "seq", "act_embed"))
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
         return (buf, out, aux_sum), None
 
