@@ -116,7 +116,11 @@ REMAT_POLICY_NAMES = ("none", "full", "dots", "save_named", "offload_named")
 # logical axis -> mesh axes. Params: embed, mlp, heads, kv_heads, vocab, experts, expert_mlp,
 # layers. Activations: batch, seq, act_embed, act_heads, act_mlp, act_vocab.
 DEFAULT_RULES: dict[str, list[str]] = {
-    "batch": ["data", "fsdp", "expert"],
+    # pipeline: outside the pipeline (embedding, dense prefix, head and loss, MTP) the stage
+    # axis splits the batch too; inside, each stage's rows split over the others alone
+    # (sharding.within_stages). Last, so that entering the pipeline is an all-gather over it
+    # alone (every stage's rows of its shard); a pipeline axis of size 1 adds nothing
+    "batch": ["data", "fsdp", "expert", "pipeline"],
     "seq": [],
     "act_embed": [],
     "act_heads": ["tensor"],

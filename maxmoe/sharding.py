@@ -6,6 +6,8 @@ GSPMD-style `Auto`: XLA propagates shardings between the constraints we place, w
 model code free of `out_sharding` plumbing (jax 0.10's `make_mesh` default is Explicit).
 Activations follow the rules table (`spec`, `shard`); the train state is stored over every
 mesh axis that fits it (`state_dim_axes`, ZeRO-3), and XLA gathers it where it is used.
+The pipeline's stages trace under `within_stages`, which takes the stage axes out of every
+logical axis but the stacks' (outside the pipeline they split the batch too).
 """
 
 from __future__ import annotations
@@ -61,6 +63,28 @@ def use_mesh(mesh: Mesh, rules: dict[str, list[str]]) -> Iterator[Mesh]:
     finally:
         _RULES.reset(t1)
         _MESH.reset(t2)
+
+
+def stage_local_rules(rules: Mapping[str, list[str]]) -> dict[str, list[str]]:
+    """`rules` as the pipeline's stages see them: the stage mesh axes (those of logical
+    "stage") dropped from every logical axis but STACK_AXES. Outside the pipeline those axes
+    split the batch like data (config.DEFAULT_RULES); inside, each stage holds its own
+    microbatch rows and "batch" means the split of those rows alone."""
+    stage = set(rules.get("stage", []))
+    return {k: list(v) if k in STACK_AXES else [a for a in v if a not in stage]
+            for k, v in rules.items()}
+
+
+@contextlib.contextmanager
+def within_stages() -> Iterator[None]:
+    """Makes `stage_local_rules` of the current rules current (the pipeline traces its stage
+    body under it: `shard`, `spec` and `mesh_axes`, e.g. mesh_axes("batch"), then leave the
+    stage axes to the vmap over stages); the current rules again on exit."""
+    token = _RULES.set(stage_local_rules(_RULES.get() or {}))
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
 
 
 def current_mesh() -> Mesh | None:

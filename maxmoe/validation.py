@@ -343,6 +343,13 @@ def shards(cfg: Config, sizes: dict[str, int], logical: str) -> int:
     return math.prod(sizes[ax] for ax in cfg.mesh.rules[logical])
 
 
+def stage_batch_shards(cfg: Config, sizes: dict[str, int]) -> int:
+    """How many pieces one pipeline stage's rows are cut into: the batch axes but the stage
+    axes (sharding.within_stages), which split the rows only outside the pipeline."""
+    stage = set(cfg.mesh.rules.get("stage", []))
+    return math.prod(sizes[ax] for ax in cfg.mesh.rules["batch"] if ax not in stage)
+
+
 def check_pipeline(cfg: Config, sizes: dict[str, int], need: Need) -> None:
     """mesh.pipeline stages split a run of stacked same-kind layers into chunks of at least
     one layer (model.pipeline_stage_layers, if set, says how), and the batch per step."""
@@ -372,9 +379,11 @@ def check_pipeline(cfg: Config, sizes: dict[str, int], need: Need) -> None:
          f"the circular schedule needs at least mesh.pipeline={stages} microbatches",
          f"use 0 (= stages) or >= {stages}")
     per_step = cfg.data.global_batch_size // cfg.train.grad_accum_steps
-    need(per_step % (micro * shards(cfg, sizes, "batch")) == 0, "data.global_batch_size",
+    inside = stage_batch_shards(cfg, sizes)
+    need(per_step % (micro * inside) == 0, "data.global_batch_size",
          f"each of the {micro} pipeline microbatches needs a whole number of rows per batch "
-         "shard", "use a larger multiple of the batch shards")
+         f"shard of a stage ({inside})", f"use a larger multiple of the batch shards: of {micro * inside} x "
+         "train.grad_accum_steps")
 
 
 def check_model_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
@@ -425,7 +434,8 @@ def check_batch_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
     """The global batch splits into whole rows per batch shard and accumulation step."""
     batch_shards = shards(cfg, sizes, "batch") * cfg.train.grad_accum_steps
     need(cfg.data.global_batch_size % batch_shards == 0, "data.global_batch_size",
-         f"not divisible by batch shards x grad_accum_steps ({batch_shards})",
+         f"not divisible by batch shards x grad_accum_steps ({batch_shards}) over mesh axes "
+         f"{[a for a in cfg.mesh.rules['batch'] if sizes[a] > 1]}",
          f"use a multiple of {batch_shards}")
 
 

@@ -19,6 +19,13 @@ the stage inputs, one microbatch's [B/M, S, D] per iteration, and recomputes the
 forward of the pipelined layers), so the weights each stage picked are not kept per iteration
 (docs/performance.md, "Pipeline memory at scale").
 
+Outside the pipeline the stage axes split the batch like data (config.DEFAULT_RULES): the
+embedding, dense layers, LM head, loss and MTP run once per row, each stage on its 1/P of the
+rows, not the whole batch on every stage. The stages trace under `sharding.within_stages`,
+where "batch" names the other batch axes alone: x enters as [B, S, D] split over all batch axes
+and is regrouped into microbatches [M, B/M, S, D] split over the others (every stage holds
+every microbatch's rows of its batch shard; stage 0 reads them), and leaves the same way.
+
 Weights are stored in natural layer order (checkpoints do not depend on the stages), their
 layer dim split over the pipeline axis in contiguous blocks where P divides it. Each step
 regroups them into stage slots (`stage_layout`) with collectives that move every byte once;
@@ -39,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from maxmoe.model.spec import PipelineSchedule
-from maxmoe.sharding import current_mesh, mesh_axes, param_axes, shard, spec
+from maxmoe.sharding import current_mesh, mesh_axes, param_axes, shard, spec, within_stages
 
 # aux values summed over microbatches (then averaged, expert_load kept a sum), or maxed
 # (_AUX_MAXED: dispatch_rounds, the rounds the worst microbatch needed); other per-token
@@ -187,18 +194,34 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
     run_layers(graphdef, layer_state, h, segment_ids, positions, mask=None) -> (h, aux stacked
     per layer) runs a chunk of layers (scan + remat as configured); mask [slots] bool, given
     when chunks are unequal, makes the False slots identities. Returns (x, aux [L, ...]).
-    """
-    stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
-    graphdef, state = nnx.split(stack)
-    layers = jax.tree.leaves(state)[0].shape[0]
-    b = x.shape[0]
 
-    table = schedule.slot_table(layers)  # [P][V slots]: natural layer or -1 (padding)
-    stage_params = stage_layout(state, table, repeats)  # [P, V, slots, ...]
+    x arrives and leaves split over the batch axes, the stage axes among them (outside the
+    pipeline they split the rows too); the stages run under `within_stages`, where "batch"
+    names the other axes alone, on the microbatch layout [M, B/M, ...].
+    """
+    graphdef, state = nnx.split(stack)
+    table = schedule.slot_table(jax.tree.leaves(state)[0].shape[0])  # [P][V slots]: layer / -1
+    stage_params = stage_layout(state, table, schedule.repeats)  # [P, V, slots, ...]
+    with within_stages():
+        y, aux_sum = _run_schedule(graphdef, stage_params, table, x, segment_ids, positions,
+                                   run_layers=run_layers, schedule=schedule)
+    return shard(y, ("batch", "seq", "act_embed")), _natural_aux(aux_sum, table,
+                                                                 schedule.microbatches)
+
+
+def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, run_layers,
+                  schedule: PipelineSchedule):
+    """run_pipeline's loop, traced under `within_stages`: the microbatches through the stages
+    [P, V, slots, ...] of `stage_params`. Returns (y [B, S, D], aux summed per stage and pass
+    [P, V, slots, ...])."""
+    stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
+    b = x.shape[0]
     mask = np.asarray(table).reshape(stages, repeats, -1) >= 0
     padded = not mask.all()
 
     def split(a):  # [B, ...] -> [M, B/M, ...]; microbatch j takes rows j, j + M, ...
+        # first gathered over the stage axes (the last batch axes): the reshape stays local
+        a = shard(a, ("batch",) + (None,) * (a.ndim - 1))
         a = a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)
         return shard(a, (None, "batch") + (None,) * (a.ndim - 2))
     xs, segs, poss = split(x), split(segment_ids), split(positions)
@@ -255,8 +278,7 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
 
     (_, out, aux_sum), _ = jax.lax.scan(iteration, (buf, out, aux_sum),
                                         jnp.arange(schedule.iterations))
-    y = out.swapaxes(0, 1).reshape(x.shape)
-    return shard(y, ("batch", "seq", "act_embed")), _natural_aux(aux_sum, table, m)
+    return out.swapaxes(0, 1).reshape(x.shape), aux_sum
 
 
 def _aux_add(key: str, acc, weight, value):

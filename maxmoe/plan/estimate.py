@@ -21,7 +21,7 @@ from flax import nnx
 from maxmoe.config import Config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
-from maxmoe.sharding import dim_axes, param_axes, variable_axes
+from maxmoe.sharding import dim_axes, param_axes, stage_local_rules, variable_axes
 from maxmoe.train.optimizer import make_optimizer
 
 
@@ -71,7 +71,8 @@ def _per_device(v, cfg: Config, sizes: dict[str, int]) -> Leaf:
     shape = tuple(n // math.prod(sizes[a] for a in ax)
                   for n, ax in zip(value.shape, axes, strict=True))
     logical = param_axes(v)
-    tokens = set(cfg.mesh.rules.get("batch", ()))  # FSDP: gathered where the batch is split
+    # FSDP: gathered where the batch is split (inside the pipeline: not over the stage axes)
+    tokens = set(stage_local_rules(cfg.mesh.rules).get("batch", ()))
     compute = {a for name, ax in zip(logical, dim_axes(logical, cfg.mesh.rules, sizes,
                                                         value.shape), strict=True)
                for a in ax if a not in tokens or name == "experts"}  # tokens go to experts

@@ -25,7 +25,7 @@ from maxmoe.parallel.dispatch import choose_transport
 from maxmoe.plan.cluster import Cluster
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.roofline import compute_peak, step_time
-from maxmoe.validation import shards, validate
+from maxmoe.validation import shards, stage_batch_shards, validate
 
 # host split orders: which axes fill a host first (tensor must stay inside one)
 HOST_ORDERS = (("tensor", "expert", "fsdp", "pipeline", "data"),
@@ -185,8 +185,9 @@ def compute_bytes(cfg: Config) -> int:
 
 
 def tokens_per_device(cfg: Config, sizes: dict[str, int], microbatches: int) -> float:
-    """Rows x sequence one device processes per microbatch (batch split over its shards)."""
-    return cfg.data.global_batch_size * cfg.data.seq_len / shards(cfg, sizes, "batch") / microbatches
+    """Rows x sequence one device processes per microbatch in the (pipelined) layers: the
+    batch split over its shards, but the stage axes (validation.stage_batch_shards)."""
+    return cfg.data.global_batch_size * cfg.data.seq_len / stage_batch_shards(cfg, sizes) / microbatches
 
 
 def transport(cfg: Config, layout: Layout) -> str:
