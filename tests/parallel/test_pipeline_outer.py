@@ -70,8 +70,11 @@ def _temporaries(*overrides: str) -> int:
 @pytest.mark.slow
 def test_outside_work_is_split_over_the_stages():
     """The compiled train step's temporaries with the stage axis among the batch axes against
-    the old rules (every stage ran the whole batch's head, loss and MTP): at most half on 4
-    stages (a 4x drop of the head / loss buffers, the pipeline's own unchanged)."""
+    the old rules (every stage ran the whole batch's head, loss and MTP), on 4 stages: the
+    head / loss buffers drop 4x, the pipeline's own do not. Measured 0.53 on main at 670cb0e
+    (67.3 MB against 127.5 MB, with the sharded embedding lookup of model/layers.py in both);
+    without the stage axis among the batch axes both compiles are the same (1.0). Bound 0.7:
+    between the two."""
     new = _temporaries(*OUTER_HEAVY)
     old = _temporaries(*OUTER_HEAVY, *OLD_RULES)
-    assert new < 0.5 * old, (new / old, new, old)
+    assert new < 0.7 * old, (new / old, new, old)
