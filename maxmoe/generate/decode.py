@@ -1,6 +1,6 @@
 """The decode loop: prefill the prompts in one forward, then one token per step with a KV cache.
 
-Both phases run `Transformer.extend` (model/transformer.py) on a fixed-size cache of
+Both phases run `extend` (below) on a fixed-size cache of
 T = prompt + new tokens slots (model/kv_cache.py): prefill writes slots 0..P-1 and gives the
 first token's logits; the decode phase is one jitted lax.while_loop that picks a token,
 writes it at slot P + i and computes the next logits, until every row has emitted EOS or N
@@ -114,7 +114,7 @@ def _prefill(graphdef, cfg: Config, length: int, dtype, state, ids, pad):
     b, p = ids.shape
     cache = init_cache(cfg.model, cfg.attention, b, length, dtype)
     positions = jnp.maximum(jnp.arange(p)[None, :] - pad[:, None], 0)
-    x, cache = model.extend(ids, positions, cache, 0, _kv_valid(pad, length))
+    x, cache = extend(model, ids, positions, cache, 0, _kv_valid(pad, length))
     return model.logits(x[:, -1:])[:, 0], cache
 
 
@@ -139,7 +139,7 @@ def _decode(graphdef, sampling: Sampling, p: int, n: int, eos_id: int, pad_id: i
             seen = seen.at[:, i].set(logits)
         done = done | (token == eos_id)
         slot = p + i
-        x, cache = model.extend(token[:, None], (slot - pad)[:, None], cache, slot, kv_valid)
+        x, cache = extend(model, token[:, None], (slot - pad)[:, None], cache, slot, kv_valid)
         return i + 1, model.logits(x)[:, 0], cache, done, out, seen
 
     def running(carry):
@@ -151,3 +151,27 @@ def _decode(graphdef, sampling: Sampling, p: int, n: int, eos_id: int, pad_id: i
     i, _, _, _, out, seen = jax.lax.while_loop(running, step, carry)
     return out, i, seen
 
+
+def extend(model, tokens, positions, caches: list, start, kv_valid):
+    """Decoding: tokens [B, S] of cache slots start..start+S-1 at positions [B, S] through
+    every layer of `model` (a Transformer) with its KV cache (model/kv_cache.py's init_cache
+    layout; kv_valid [B, T]) -> (last hidden state [B, S, D] before the final norm, updated
+    caches). No pipeline, no MTP; MoE layers route as in training (dropless unless the config
+    says otherwise)."""
+    x = model.embed(tokens)
+    out = []
+    for stack, cache in zip(model.layer_groups, caches, strict=True):
+        if isinstance(stack, nnx.List):
+            cache = list(cache)
+            for i, block in enumerate(stack):
+                x, cache[i] = block.extend(x, positions, cache[i], start, kv_valid)
+        else:
+            graphdef, state = nnx.split(stack)
+
+            def layer(h, state_and_cache, graphdef=graphdef):
+                block = nnx.merge(graphdef, state_and_cache[0])
+                return block.extend(h, positions, state_and_cache[1], start, kv_valid)
+
+            x, cache = jax.lax.scan(layer, x, (state, cache))
+        out.append(cache)
+    return x, out

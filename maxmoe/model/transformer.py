@@ -227,29 +227,6 @@ class Transformer(nnx.Module):
             aux.update({k: _join(moe_auxs, k) for k in moe_auxs[0]})
         return x, aux
 
-    def extend(self, tokens, positions, caches: list, start, kv_valid):
-        """Decoding: tokens [B, S] of cache slots start..start+S-1 at positions [B, S] through
-        every layer with its KV cache (model/kv_cache.py's init_cache layout; kv_valid [B, T])
-        -> (last hidden state [B, S, D] before the final norm, updated caches). No pipeline,
-        no MTP; MoE layers route as in training (dropless unless the config says otherwise)."""
-        x = self.embed(tokens)
-        out = []
-        for stack, cache in zip(self.layer_groups, caches, strict=True):
-            if isinstance(stack, nnx.List):
-                cache = list(cache)
-                for i, block in enumerate(stack):
-                    x, cache[i] = block.extend(x, positions, cache[i], start, kv_valid)
-            else:
-                graphdef, state = nnx.split(stack)
-
-                def layer(h, state_and_cache, graphdef=graphdef):
-                    block = nnx.merge(graphdef, state_and_cache[0])
-                    return block.extend(h, positions, state_and_cache[1], start, kv_valid)
-
-                x, cache = jax.lax.scan(layer, x, (state, cache))
-            out.append(cache)
-        return x, out
-
     def head_weight(self) -> jax.Array:
         """The LM head [D, V] in the compute dtype, cast where it is still split by its
         ("embed", "vocab") rules: whatever gathers it for the matmul then moves and holds the
