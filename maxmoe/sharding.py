@@ -217,6 +217,33 @@ def variable_axes(v, rules: Mapping[str, list[str]],
     return axes, tuple(a for a in MESH_AXES if sizes.get(a, 1) > 1 and a not in used)
 
 
+def stack_source_spec(variable) -> P:
+    """The spec the pipeline regroups a stacked layer param [L, ...] from (parallel/pipeline.py
+    `stage_layout`), under the current mesh and rules: the rules' own (`spec`), and where the
+    stage axes split none of its dims (P does not divide L), the stage axes added, minor, to
+    the dim the train state stores them on (`variable_axes`), so each device reads 1/P of the
+    stack instead of all of it (e.g. V3's 58 MoE layers on 16 stages). Its rules' spec where
+    storage keeps them off every dim, or that dim cannot take them (e.g. the router bias)."""
+    rules, mesh = _RULES.get() or {}, _MESH.get()
+    logical, shape = param_axes(variable), variable.get_value().shape
+    base = spec(logical, shape=shape)
+    if mesh is None:
+        return base
+    sizes = dict(mesh.shape)
+    stage = [a for a in rules.get("stage", []) if sizes[a] > 1]
+    axes = dim_axes(logical, rules, sizes, shape)
+    if not stage or any(set(ax) & set(stage) for ax in axes):
+        return base
+    stored, _ = variable_axes(variable, rules, sizes)
+    for d, ax in enumerate(stored):
+        if d and set(stage) <= set(ax):
+            split = math.prod(sizes[a] for a in (*axes[d], *stage))
+            if shape[d] % split == 0:
+                axes[d] = (*axes[d], *stage)
+                return _as_spec(axes)
+    return base
+
+
 def state_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]]):
     """NamedSharding for every nnx.Variable in an nnx.State: params by their axes metadata,
     placed for storage by `state_dim_axes` (over every mesh axis that fits). Needs no current

@@ -46,7 +46,15 @@ import numpy as np
 from flax import nnx
 
 from maxmoe.model.spec import PipelineSchedule
-from maxmoe.sharding import current_mesh, mesh_axes, param_axes, shard, spec, within_stages
+from maxmoe.sharding import (
+    current_mesh,
+    mesh_axes,
+    param_axes,
+    shard,
+    spec,
+    stack_source_spec,
+    within_stages,
+)
 
 # aux values summed over microbatches (then averaged, expert_load kept a sum), or maxed
 # (_AUX_MAXED: dispatch_rounds, the rounds the worst microbatch needed); other per-token
@@ -113,24 +121,25 @@ def _entry(axes: tuple):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def _stage_slots(a: jax.Array, logical: tuple, table: list[list[int]]) -> jax.Array:
-    """[L, ...] in natural layer order -> [P S, ...]: rows p S ... p S + S - 1 hold stage p's
-    slots as `table` [P][S] names them, zeros in padding slots.
+def _stage_slots(a: jax.Array, source: tuple | None, table: list[list[int]]) -> jax.Array:
+    """[L, ...] in natural layer order, read with PartitionSpec `source` (`sharding.
+    stack_source_spec`; None without a mesh) -> [P S, ...]: rows p S ... p S + S - 1 hold
+    stage p's slots as `table` [P][S] names them, zeros in padding slots.
 
     Each case moves every weight byte at most once, in a shard_map; XLA's partitioner, asked
     for the same regrouping as a reshape and transpose, replicated the whole stack on every
     device first. The layer dim split over the stage axes (contiguous blocks, as stored when
-    P | L): collective permutes (`slot_permutes`). The layer dim whole on every stage (e.g.
-    58 layers on 16 stages): each stage picks its slots, with no traffic, or, where another dim
-    is split over the stage axes (their minor part), an all-to-all hands each stage its slots'
-    slices. Anything else (no mesh; other splits): a plain gather."""
+    P | L): collective permutes (`slot_permutes`). The layer dim whole (e.g. 58 layers on 16
+    stages): where another dim is split over the stage axes (their minor part; the source
+    spec puts them where the state is stored), an all-to-all hands each stage its slots'
+    slices; else each stage picks its slots from the whole stack, with no traffic. Anything
+    else (no mesh; other splits): a plain gather."""
     index = np.asarray(table)
     layers = a.shape[0]
     if np.array_equal(index.reshape(-1), np.arange(layers)):
         return a  # equal gpipe chunks: the stored order already is the stage order
     stage_axes = mesh_axes("stage")
-    pspec = tuple(spec(logical, shape=a.shape)) if current_mesh() is not None else ()
-    pspec = pspec + (None,) * (a.ndim - len(pspec))
+    pspec = tuple(source or ()) + (None,) * (a.ndim - len(source or ()))
     # numpy constants: a jax array closed over by a shard_map body keeps the outer mesh
     keep = (index.reshape(-1) >= 0).reshape(-1, *([1] * (a.ndim - 1)))
     rows = np.maximum(index, 0)
@@ -181,7 +190,8 @@ def stage_layout(state, table: list[list[int]], repeats: int):
 
     def one(var):
         a, logical = var.get_value(), param_axes(var)
-        a = _stage_slots(a, logical, table)
+        a = _stage_slots(a, stack_source_spec(var) if current_mesh() is not None else None,
+                         table)
         a = a.reshape(stages, repeats, width // repeats, *a.shape[1:])
         return var.replace(_constrain(a, ("stage", None, None, *logical[1:])))
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -226,16 +236,21 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
         return shard(a, (None, "batch") + (None,) * (a.ndim - 2))
     xs, segs, poss = split(x), split(segment_ids), split(positions)
 
+    packs = _packs(x)
+
     def stage_step(stage_chunks, stage_mask, h, seg, pos, v):
-        """One stage: pick its chunk for pass v, run its layers (padding slots masked)."""
+        """One stage: pick its chunk for pass v, run its layers (padding slots masked); h as
+        `_pack` packed it."""
+        h = _unpack(h, x.dtype) if packs else h
         params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False),
                               stage_chunks)
         slots = jax.lax.dynamic_index_in_dim(stage_mask, v, 0, keepdims=False)
         return run_layers(graphdef, params, h, seg, pos, mask=slots if padded else None)
 
-    # per-iteration remat: the backward recomputes each stage's pass from its input. Without
-    # it, differentiating the scan over iterations keeps what each iteration derived from its
-    # index, the weights each stage picked for its pass: iterations x one stage's weights.
+    # per-iteration remat: the backward recomputes each stage's pass from its input, saved per
+    # iteration as `_pack` packs it. Without it, differentiating the scan over iterations keeps
+    # what each iteration derived from its index, the weights each stage picked for its pass:
+    # iterations x one stage's weights.
     stage_step = jax.checkpoint(stage_step, policy=jax.checkpoint_policies.nothing_saveable,
                                 prevent_cse=False)
     stage_axes = mesh_axes("stage")
@@ -246,8 +261,9 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
     out = jnp.zeros_like(xs)
     mask = jnp.asarray(mask)
+    pack = functools.partial(_pack, dtype=x.dtype) if packs else lambda h: h
     aux_shapes = jax.eval_shape(lambda: all_stages(
-        stage_params, mask, buf, jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
+        stage_params, mask, pack(buf), jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
         jnp.zeros((stages, *poss.shape[1:]), poss.dtype), jnp.zeros((stages,), jnp.int32))[1])
     # per stage and pass: [P, V, slots, ...]
     aux_sum = {k: jnp.zeros((stages, repeats, *s.shape[1:]), jnp.float32)
@@ -264,21 +280,60 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
         fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), 0, keepdims=False)
         again = jax.lax.dynamic_index_in_dim(out, t % m, 0, keepdims=False)
         h_in = buf.at[0].set(jnp.where(t < m, fresh, again))
-        h, aux = all_stages(stage_params, mask, h_in, segs[micro], poss[micro], v)
+        h, aux = all_stages(stage_params, mask, pack(h_in), segs[micro], poss[micro], v)
         weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
         aux_sum = {k: _aux_add(k, acc, weight, aux[k]) for k, acc in aux_sum.items()}
         # the last stage's output of virtual microbatch i goes to out[i mod M]: read again by
         # stage 0 for the next pass, and after the final pass it is the result
         last = i[stages - 1]
         done = (last >= 0) & (last < repeats * m)
-        out = jnp.where(done, jax.lax.dynamic_update_index_in_dim(
-            out, h[stages - 1], jnp.clip(last, 0, repeats * m - 1) % m, 0), out)
+        row = jnp.clip(last, 0, repeats * m - 1) % m  # updated in place, not a select of `out`
+        kept = jax.lax.dynamic_index_in_dim(out, row, 0, keepdims=False)
+        out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(done, h[stages - 1], kept), row, 0)
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
         return (buf, out, aux_sum), None
 
     (_, out, aux_sum), _ = jax.lax.scan(iteration, (buf, out, aux_sum),
                                         jnp.arange(schedule.iterations))
     return out.swapaxes(0, 1).reshape(x.shape), aux_sum
+
+
+def _packs(x: jax.Array) -> bool:
+    """Whether the stage inputs are saved packed (`_pack`): a 16-bit float of even width."""
+    return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2 and x.shape[-1] % 2 == 0
+
+
+def _words(h: jax.Array) -> jax.Array:
+    """16-bit floats [..., D] -> float32 [..., D/2] holding the same bytes."""
+    return jax.lax.bitcast_convert_type(h.reshape(*h.shape[:-1], -1, 2), jnp.float32)
+
+
+def _halves(w: jax.Array, dtype) -> jax.Array:
+    """`_words`' inverse: float32 [..., D/2] -> `dtype` [..., D]."""
+    return jax.lax.bitcast_convert_type(w, dtype).reshape(*w.shape[:-1], -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _pack(h: jax.Array, dtype) -> jax.Array:
+    """The stage input h (bf16 [..., D]) as float32 words [..., D/2] of its bytes, the form
+    the scan saves per iteration for the backward; `_unpack` reads it back, and cotangents
+    cross both packed the same way. Saved as bf16, XLA:CPU's float normalisation upcasts the
+    saved stack's per-iteration update and read to float32 and hoists the read's conversion
+    out of the backward loop: a float32 copy and a second bf16 copy of the whole stack
+    (docs/performance.md, "Stage inputs and stacks"); float32 words are moved as they are."""
+    return _words(h)
+
+
+_pack.defvjp(lambda h, dtype: (_words(h), None), lambda dtype, _, g: (_halves(g, dtype),))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unpack(w: jax.Array, dtype) -> jax.Array:
+    """`_pack`'s inverse: float32 words [..., D/2] -> `dtype` [..., D]."""
+    return _halves(w, dtype)
+
+
+_unpack.defvjp(lambda w, dtype: (_halves(w, dtype), None), lambda dtype, _, g: (_words(g),))
 
 
 def _aux_add(key: str, acc, weight, value):
