@@ -225,18 +225,9 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     [P, V, slots, ...] of `stage_params`. Returns (y [B, S, D], aux summed per stage and pass
     [P, V, slots, ...])."""
     stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
-    b = x.shape[0]
     mask = np.asarray(table).reshape(stages, repeats, -1) >= 0
-    padded = not mask.all()
-
-    def split(a):  # [B, ...] -> [M, B/M, ...]; microbatch j takes rows j, j + M, ...
-        # first gathered over the stage axes (the last batch axes): the reshape stays local
-        a = shard(a, ("batch",) + (None,) * (a.ndim - 1))
-        a = a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)
-        return shard(a, (None, "batch") + (None,) * (a.ndim - 2))
-    xs, segs, poss = split(x), split(segment_ids), split(positions)
-
-    packs = _packs(x)
+    padded, packs = not mask.all(), _packs(x)
+    xs, segs, poss = (_microbatches(a, m) for a in (x, segment_ids, positions))
 
     def stage_step(stage_chunks, stage_mask, h, seg, pos, v):
         """One stage: pick its chunk for pass v, run its layers (padding slots masked); h as
@@ -256,46 +247,68 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     stage_axes = mesh_axes("stage")
     all_stages = jax.vmap(stage_step, spmd_axis_name=stage_axes[0] if len(stage_axes) == 1
                           else (stage_axes or None))
-
-    stage_index = jnp.arange(stages)
-    buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
-    out = jnp.zeros_like(xs)
-    mask = jnp.asarray(mask)
     pack = functools.partial(_pack, dtype=x.dtype) if packs else lambda h: h
-    aux_shapes = jax.eval_shape(lambda: all_stages(
-        stage_params, mask, pack(buf), jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
-        jnp.zeros((stages, *poss.shape[1:]), poss.dtype), jnp.zeros((stages,), jnp.int32))[1])
-    # per stage and pass: [P, V, slots, ...]
-    aux_sum = {k: jnp.zeros((stages, repeats, *s.shape[1:]), jnp.float32)
-               for k, s in aux_shapes.items() if k in _AUX_KEYS}
+
+    # per stage [P, ...], each stage's slice on its own devices: the microbatches (a copy of
+    # xs, which every stage holds), `out`, where stage 0 keeps the last stage's outputs, and
+    # the ring buffer. Stage 0 reads the first two at loop-varying rows, locally
+    first = (jnp.arange(stages) == 0).reshape(stages, 1, 1, 1)
+    xs_p = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
+    out = _per_stage(jnp.zeros_like(xs_p))
+    buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
+    mask = jnp.asarray(mask)
+    aux_sum = _aux_zeros(all_stages, stage_params, mask, pack(buf), segs, poss, repeats)
 
     def iteration(carry, t):
         buf, out, aux_sum = carry
-        i = t - stage_index  # virtual microbatch of each stage
+        i = t - jnp.arange(stages)  # virtual microbatch of each stage
         valid = (i >= 0) & (i < repeats * m)
         micro = jnp.clip(i, 0, repeats * m - 1) % m
         v = jnp.clip(i, 0, repeats * m - 1) // m
         # stage 0 takes a fresh microbatch on the first pass, else the microbatch's output of
         # the last stage's previous pass, kept in `out` since iteration t - M + P - 1 (M >= P)
-        fresh = jax.lax.dynamic_index_in_dim(xs, jnp.minimum(t, m - 1), 0, keepdims=False)
-        again = jax.lax.dynamic_index_in_dim(out, t % m, 0, keepdims=False)
-        h_in = buf.at[0].set(jnp.where(t < m, fresh, again))
+        fresh = jax.lax.dynamic_index_in_dim(xs_p, jnp.minimum(t, m - 1), 1, keepdims=False)
+        again = jax.lax.dynamic_index_in_dim(out, t % m, 1, keepdims=False)
+        h_in = jnp.where(first, jnp.where(t < m, fresh, again), buf)
         h, aux = all_stages(stage_params, mask, pack(h_in), segs[micro], poss[micro], v)
         weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
         aux_sum = {k: _aux_add(k, acc, weight, aux[k]) for k, acc in aux_sum.items()}
-        # the last stage's output of virtual microbatch i goes to out[i mod M]: read again by
-        # stage 0 for the next pass, and after the final pass it is the result
-        last = i[stages - 1]
-        done = (last >= 0) & (last < repeats * m)
-        row = jnp.clip(last, 0, repeats * m - 1) % m  # updated in place, not a select of `out`
-        kept = jax.lax.dynamic_index_in_dim(out, row, 0, keepdims=False)
-        out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(done, h[stages - 1], kept), row, 0)
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
+        # buf[0] now holds the last stage's output of virtual microbatch t - P + 1: stage 0
+        # keeps it in out[0, its row mod M] for its next pass and as the result (each stage
+        # writes its own slice alike, unused). Before iteration P - 1 that is row 0, which
+        # iteration P - 1 overwrites before stage 0 first reads `out` (t = M >= P)
+        row = jnp.maximum(t - stages + 1, 0) % m
+        out = jax.lax.dynamic_update_index_in_dim(out, buf, row, 1)
         return (buf, out, aux_sum), None
 
     (_, out, aux_sum), _ = jax.lax.scan(iteration, (buf, out, aux_sum),
                                         jnp.arange(schedule.iterations))
-    return out.swapaxes(0, 1).reshape(x.shape), aux_sum
+    y = jnp.sum(jnp.where(first[:, None], out, jnp.zeros((), out.dtype)), axis=0)  # stage 0's
+    return y.swapaxes(0, 1).reshape(x.shape), aux_sum
+
+
+def _microbatches(a: jax.Array, m: int) -> jax.Array:
+    """[B, ...] split over the batch axes -> [M, B/M, ...]; microbatch j takes rows j, j + M,
+    ... (first gathered over the stage axes, the last batch axes: the reshape stays local)."""
+    a = shard(a, ("batch",) + (None,) * (a.ndim - 1))
+    a = a.reshape(a.shape[0] // m, m, *a.shape[1:]).swapaxes(0, 1)
+    return shard(a, (None, "batch") + (None,) * (a.ndim - 2))
+
+
+def _per_stage(a: jax.Array) -> jax.Array:
+    """[P, M, rows, S, D]: stage p's [M, rows, S, D] on stage p's devices."""
+    return shard(a, ("stage", None, "batch", "seq", "act_embed"))
+
+
+def _aux_zeros(all_stages, stage_params, mask, h, segs, poss, repeats: int) -> dict:
+    """Zeros [P, V, ...] for each _AUX_KEYS value the stages return (per stage and pass)."""
+    stages = h.shape[0]
+    shapes = jax.eval_shape(lambda: all_stages(
+        stage_params, mask, h, jnp.zeros((stages, *segs.shape[1:]), segs.dtype),
+        jnp.zeros((stages, *poss.shape[1:]), poss.dtype), jnp.zeros((stages,), jnp.int32))[1])
+    return {k: jnp.zeros((stages, repeats, *s.shape[1:]), jnp.float32)
+            for k, s in shapes.items() if k in _AUX_KEYS}
 
 
 def _packs(x: jax.Array) -> bool:
