@@ -217,31 +217,30 @@ def variable_axes(v, rules: Mapping[str, list[str]],
     return axes, tuple(a for a in MESH_AXES if sizes.get(a, 1) > 1 and a not in used)
 
 
-def stack_source_spec(variable) -> P:
+def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
+                      sizes: Mapping[str, int] | None = None) -> P:
     """The spec the pipeline regroups a stacked layer param [L, ...] from (parallel/pipeline.py
-    `stage_layout`), under the current mesh and rules: the rules' own (`spec`), and where the
-    stage axes split none of its dims (P does not divide L), the stage axes added, minor, to
-    the dim the train state stores them on (`variable_axes`), so each device reads 1/P of the
-    stack instead of all of it (e.g. V3's 58 MoE layers on 16 stages). Its rules' spec where
-    storage keeps them off every dim, or that dim cannot take them (e.g. the router bias)."""
-    rules, mesh = _RULES.get() or {}, _MESH.get()
+    `stage_layout`), under `rules` and mesh axis `sizes` (default: the current ones): the
+    rules' own (`dim_axes`), and where the stage axes split none of its dims (P does not
+    divide L), the stage axes added, minor, to the dim the train state stores them on
+    (`variable_axes`), so each device reads 1/P of the stack instead of all of it (e.g. V3's
+    58 MoE layers on 16 stages). The rules' spec where storage keeps them off every dim, or
+    that dim cannot take them (e.g. the router bias, stored by the rules alone)."""
+    rules = rules if rules is not None else (_RULES.get() or {})
+    mesh = _MESH.get()
+    sizes = sizes if sizes is not None else dict(mesh.shape) if mesh is not None else None
     logical, shape = param_axes(variable), variable.get_value().shape
-    base = spec(logical, shape=shape)
-    if mesh is None:
-        return base
-    sizes = dict(mesh.shape)
-    stage = [a for a in rules.get("stage", []) if sizes[a] > 1]
     axes = dim_axes(logical, rules, sizes, shape)
+    stage = [a for a in rules.get("stage", []) if sizes and sizes[a] > 1]
     if not stage or any(set(ax) & set(stage) for ax in axes):
-        return base
+        return _as_spec(axes)
     stored, _ = variable_axes(variable, rules, sizes)
     for d, ax in enumerate(stored):
         if d and set(stage) <= set(ax):
-            split = math.prod(sizes[a] for a in (*axes[d], *stage))
-            if shape[d] % split == 0:
+            if shape[d] % math.prod(sizes[a] for a in (*axes[d], *stage)) == 0:
                 axes[d] = (*axes[d], *stage)
-                return _as_spec(axes)
-    return base
+            break
+    return _as_spec(axes)
 
 
 def state_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]]):

@@ -18,12 +18,15 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import MESH_AXES, CheckpointConfig, load_config
+from maxmoe.model.spec import layer_groups, pipeline_schedule
+from maxmoe.model.transformer import build_model
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.probe import replicated_leaves
-from maxmoe.sharding import make_mesh, state_dim_axes
+from maxmoe.sharding import make_mesh, stack_source_spec, state_dim_axes
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.step import make_trainer, state_layout
 from maxmoe.validation import validate
@@ -161,3 +164,39 @@ def test_state_dim_axes_places_every_axis_it_can(logical, shape, axes, unplaced)
 def test_state_dim_axes_on_one_device_shards_nothing():
     sizes = dict.fromkeys(SIZES, 1)
     assert state_dim_axes(("embed", "heads"), RULES, sizes, (64, 16)) == ([(), ()], ())
+
+
+# 671B on 16 stages (58 MoE layers: 16 does not divide them), the rules' defaults and with the
+# stage axis on `embed` too (the pipelined layout of docs/performance.md)
+V3_PIPELINE = ["data.seq_len=4096", "data.global_batch_size=4096", "mesh.data=1", "mesh.fsdp=2", "mesh.pipeline=16", "mesh.expert=64",
+                         "mesh.dcn_fsdp=2", "mesh.dcn_pipeline=16", "mesh.dcn_expert=8",
+                         "model.pipeline_microbatches=32", "model.pipeline_schedule=circular",
+                         "model.pipeline_repeats=2"]
+
+
+@pytest.mark.parametrize("rules", [[], ["mesh.rules.embed=[fsdp,pipeline]"]])
+def test_pipelined_stacks_are_read_split_over_the_stages(rules):
+    """The pipeline regroups each stacked layer param from `stack_source_spec`: every leaf of
+    the pipelined group over 1 MiB is read split over the stage axis (1/16 of it a device at
+    most), not whole on every device, which is what the rules' own spec gives when the stages
+    do not divide the layers (f32 [58, 768, 128, 192] compute copies of the MLA stacks)."""
+    cfg, origins = load_config([V3], V3_PIPELINE + rules)
+    sizes = validate(cfg, 2048, origins)
+    schedule = pipeline_schedule(cfg.model, sizes["pipeline"])
+    model = nnx.eval_shape(lambda: build_model(cfg, 0))
+    [group] = [g for g, (_, _, n) in zip(model.layer_groups, layer_groups(cfg.model), strict=True)
+               if schedule.pipelines(n)]
+    failures, checked = [], 0
+    for path, var in jax.tree_util.tree_leaves_with_path(
+            nnx.state(group), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        shape = var.get_value().shape
+        whole = math.prod(shape) * var.get_value().dtype.itemsize
+        source = stack_source_spec(var, cfg.mesh.rules, sizes)
+        split = math.prod(sizes[a] for a in jax.tree.leaves(tuple(source)))
+        assert shape[0] == 58 and whole % split == 0
+        if whole > MIB:
+            checked += 1
+            if "pipeline" not in jax.tree.leaves(tuple(source)):
+                failures.append(f"{jax.tree_util.keystr(path)} {shape} {source}: "
+                                f"{whole / split / MIB:.0f} MiB a device, whole over the stages")
+    assert checked >= 10 and not failures, "\n".join(failures)
