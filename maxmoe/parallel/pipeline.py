@@ -8,16 +8,20 @@ costs). All stages run at once as one `vmap` over the stage dimension, mapped on
 pipeline mesh axis (`spmd_axis_name`), so XLA partitions it and every stage keeps its own
 weights; between iterations the activations move one stage along the ring (a collective
 permute). Iteration t, stage p works on virtual microbatch i = t - p: microbatch i mod M on
-its pass i div M. The last stage's outputs are kept per microbatch; stage 0 reads a
-microbatch's back for its next pass M - P + 1 iterations later (M >= P).
+its pass i div M. The ring brings the last stage's output to stage 0, which keeps it per
+microbatch and reads it back for its next pass M - P + 1 iterations later (M >= P). Every
+buffer read at a loop-varying row (the microbatches, those outputs) is held per stage, so the
+reads stay on the stage's own devices (one [M, B/M, S, D] buffer shared by the stages was
+all-gathered over them every iteration).
 
 - gpipe (V = 1): any M; bubble (P - 1) / (M + P - 1).
 - circular (V > 1, M >= P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
 
 Each iteration's stage pass is rematerialised (per-iteration remat): the backward keeps only
-the stage inputs, one microbatch's [B/M, S, D] per iteration, and recomputes the pass (one more
-forward of the pipelined layers), so the weights each stage picked are not kept per iteration
-(docs/performance.md, "Pipeline memory at scale").
+the stage inputs, one microbatch's [B/M, S, D] per iteration (bf16 ones as float32 words of
+their bytes, `_pack`), and recomputes the pass (one more forward of the pipelined layers), so
+the weights each stage picked are not kept per iteration (docs/performance.md, "Pipeline
+memory at scale").
 
 Outside the pipeline the stage axes split the batch like data (config.DEFAULT_RULES): the
 embedding, dense layers, LM head, loss and MTP run once per row, each stage on its 1/P of the
@@ -27,9 +31,10 @@ and is regrouped into microbatches [M, B/M, S, D] split over the others (every s
 every microbatch's rows of its batch shard; stage 0 reads them), and leaves the same way.
 
 Weights are stored in natural layer order (checkpoints do not depend on the stages), their
-layer dim split over the pipeline axis in contiguous blocks where P divides it. Each step
-regroups them into stage slots (`stage_layout`) with collectives that move every byte once;
-only the stage dim is constrained, the other dims keep their expert / fsdp / tensor split.
+layer dim split over the pipeline axis in contiguous blocks where P divides it, else another
+dim split over it (`sharding.stack_source_spec`). Each step regroups them into stage slots
+(`stage_layout`) with collectives that move every byte once; only the stage dim is
+constrained, the other dims keep their expert / fsdp / tensor split.
 
 The MoE aux values are summed (expert load) or averaged over microbatches, which gives exactly
 the whole batch's values: the balance losses are built from them after the pipeline
