@@ -8,11 +8,11 @@ costs). All stages run at once as one `vmap` over the stage dimension, mapped on
 pipeline mesh axis (`spmd_axis_name`), so XLA partitions it and every stage keeps its own
 weights; between iterations the activations move one stage along the ring (a collective
 permute). Iteration t, stage p works on virtual microbatch i = t - p: microbatch i mod M on
-its pass i div M. The ring brings the last stage's output to stage 0, which keeps it per
-microbatch and reads it back for its next pass M - P + 1 iterations later (M >= P). Every
-buffer read at a loop-varying row (the microbatches, those outputs) is held per stage, so the
-reads stay on the stage's own devices (one [M, B/M, S, D] buffer shared by the stages was
-all-gathered over them every iteration).
+its pass i div M. The ring brings the last stage's output to stage 0, which keeps it in the
+microbatch's row of its input buffer and reads it back for its next pass M - P + 1 iterations
+later (M >= P). That buffer is held per stage, so its reads at loop-varying rows stay on the
+stage's own devices (one [M, B/M, S, D] buffer shared by the stages was all-gathered over
+them every iteration).
 
 - gpipe (V = 1): any M; bubble (P - 1) / (M + P - 1).
 - circular (V > 1, M >= P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
@@ -254,42 +254,39 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
                           else (stage_axes or None))
     pack = functools.partial(_pack, dtype=x.dtype) if packs else lambda h: h
 
-    # per stage [P, ...], each stage's slice on its own devices: the microbatches (a copy of
-    # xs, which every stage holds), `out`, where stage 0 keeps the last stage's outputs, and
-    # the ring buffer. Stage 0 reads the first two at loop-varying rows, locally
+    # `io` [P, M, ...], each stage's slice on its own devices (reads at loop-varying rows stay
+    # local): stage 0's holds the microbatches (every stage holds xs), each row replaced by
+    # the microbatch's output of the last stage once stage 0 has read it. Then the ring buffer
     first = (jnp.arange(stages) == 0).reshape(stages, 1, 1, 1)
-    xs_p = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
-    out = _per_stage(jnp.zeros_like(xs_p))
+    io = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
     buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
     mask = jnp.asarray(mask)
     aux_sum = _aux_zeros(all_stages, stage_params, mask, pack(buf), segs, poss, repeats)
 
     def iteration(carry, t):
-        buf, out, aux_sum = carry
+        buf, io, aux_sum = carry
         i = t - jnp.arange(stages)  # virtual microbatch of each stage
         valid = (i >= 0) & (i < repeats * m)
         micro = jnp.clip(i, 0, repeats * m - 1) % m
         v = jnp.clip(i, 0, repeats * m - 1) // m
-        # stage 0 takes a fresh microbatch on the first pass, else the microbatch's output of
-        # the last stage's previous pass, kept in `out` since iteration t - M + P - 1 (M >= P)
-        fresh = jax.lax.dynamic_index_in_dim(xs_p, jnp.minimum(t, m - 1), 1, keepdims=False)
-        again = jax.lax.dynamic_index_in_dim(out, t % m, 1, keepdims=False)
-        h_in = jnp.where(first, jnp.where(t < m, fresh, again), buf)
+        # stage 0 takes row t mod M: the microbatch itself on its first pass (t < M), else its
+        # output of the last stage's previous pass, written at iteration t - M + P - 1 (M >= P)
+        h_in = jnp.where(first, jax.lax.dynamic_index_in_dim(io, t % m, 1, keepdims=False), buf)
         h, aux = all_stages(stage_params, mask, pack(h_in), segs[micro], poss[micro], v)
         weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
         aux_sum = {k: _aux_add(k, acc, weight, aux[k]) for k, acc in aux_sum.items()}
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
         # buf[0] now holds the last stage's output of virtual microbatch t - P + 1: stage 0
-        # keeps it in out[0, its row mod M] for its next pass and as the result (each stage
-        # writes its own slice alike, unused). Before iteration P - 1 that is row 0, which
-        # iteration P - 1 overwrites before stage 0 first reads `out` (t = M >= P)
+        # keeps it in io[0, its row mod M], read at iteration t - P + 1 (each stage writes
+        # its own slice alike, unused). Before iteration P - 1 that is row 0, read at t = 0
+        # and written for real at P - 1, before stage 0 reads it again (t = M >= P)
         row = jnp.maximum(t - stages + 1, 0) % m
-        out = jax.lax.dynamic_update_index_in_dim(out, buf, row, 1)
-        return (buf, out, aux_sum), None
+        io = jax.lax.dynamic_update_index_in_dim(io, buf, row, 1)
+        return (buf, io, aux_sum), None
 
-    (_, out, aux_sum), _ = jax.lax.scan(iteration, (buf, out, aux_sum),
-                                        jnp.arange(schedule.iterations))
-    y = jnp.sum(jnp.where(first[:, None], out, jnp.zeros((), out.dtype)), axis=0)  # stage 0's
+    (_, io, aux_sum), _ = jax.lax.scan(iteration, (buf, io, aux_sum),
+                                       jnp.arange(schedule.iterations))
+    y = jnp.sum(jnp.where(first[:, None], io, jnp.zeros((), io.dtype)), axis=0)  # stage 0's
     return y.swapaxes(0, 1).reshape(x.shape), aux_sum
 
 
