@@ -167,17 +167,19 @@ def test_scaler_and_guard_state_survive_checkpoint_restore(fp16, tmp_path):
 
 @pytest.mark.slow
 def test_float16_and_bfloat16_follow_the_float32_loss_curve():
-    """100 steps on a learnable sequence task; loss falls from 5.6 to about 0.1 in float32.
+    """50 steps at a peak LR of 1e-2 on a learnable sequence task; loss falls from 5.6 to
+    about 0.03 in float32.
 
     Tolerance: every step within 0.05 nats of float32 and the mean of the last 10 steps
-    within 0.02 nats (observed on CPU: about 1e-3 and 1e-4).
+    within 0.02 nats (observed on CPU: at most 6.7e-3 and 4.4e-5, bfloat16).
     """
     curves = {}
     for dtype in ("float32", "bfloat16", "float16"):
         cfg, trainer = one_device_trainer(f"precision.compute_dtype={dtype}",
-                                          "optimizer.warmup_steps=10", "train.steps=100")
+                                          "optimizer.warmup_steps=10", "train.steps=50",
+                                          "optimizer.learning_rate=1e-2")
         state, losses = trainer.init(), []
-        for i in range(100):
+        for i in range(50):
             state, metrics = _step(trainer, state, learnable_batch(cfg, i))
             losses.append(metrics["loss"])
         curves[dtype] = np.asarray(jax.device_get(losses))
