@@ -1,7 +1,7 @@
 """Dynamic loss scaling (float16) inside the jitted step, and mixed-precision loss curves.
 
-One device, the small MoE of tests/helpers.py, except the last test: the quick-start model on
-its data and 2x2x2 mesh. An overflow is injected with a NaN in the batch's loss_mask (the loss,
+One device, the small MoE of tests/helpers.py (the quick-start model on its data and 2x2x2
+mesh: tests/test_quick_start.py). An overflow is injected with a NaN in the batch's loss_mask (the loss,
 hence every gradient, is NaN) or, for a real float16 overflow, by raising the scale in the
 state to 2^40.
 """
@@ -11,14 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe.config import CheckpointConfig, PrecisionConfig, load_config
-from maxmoe.data.pipeline import make_dataset
-from maxmoe.data.tokenizer import load_tokenizer
+from maxmoe.config import CheckpointConfig, PrecisionConfig
 from maxmoe.sharding import global_batch, make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.precision import LossScaler, make_loss_scaler
 from maxmoe.train.step import make_trainer
-from maxmoe.validation import dcn_sizes, validate
+from maxmoe.validation import validate
 from tests.helpers import small_config
 
 
@@ -169,17 +167,19 @@ def test_scaler_and_guard_state_survive_checkpoint_restore(fp16, tmp_path):
 
 @pytest.mark.slow
 def test_float16_and_bfloat16_follow_the_float32_loss_curve():
-    """100 steps on a learnable sequence task; loss falls from 5.6 to about 0.1 in float32.
+    """50 steps at a peak LR of 1e-2 on a learnable sequence task; loss falls from 5.6 to
+    about 0.03 in float32.
 
     Tolerance: every step within 0.05 nats of float32 and the mean of the last 10 steps
-    within 0.02 nats (observed on CPU: about 1e-3 and 1e-4).
+    within 0.02 nats (observed on CPU: at most 6.7e-3 and 4.4e-5, bfloat16).
     """
     curves = {}
     for dtype in ("float32", "bfloat16", "float16"):
         cfg, trainer = one_device_trainer(f"precision.compute_dtype={dtype}",
-                                          "optimizer.warmup_steps=10", "train.steps=100")
+                                          "optimizer.warmup_steps=10", "train.steps=50",
+                                          "optimizer.learning_rate=1e-2")
         state, losses = trainer.init(), []
-        for i in range(100):
+        for i in range(50):
             state, metrics = _step(trainer, state, learnable_batch(cfg, i))
             losses.append(metrics["loss"])
         curves[dtype] = np.asarray(jax.device_get(losses))
@@ -190,45 +190,3 @@ def test_float16_and_bfloat16_follow_the_float32_loss_curve():
         gap = np.abs(curves[dtype] - reference)
         assert gap.max() < 0.05, (dtype, gap.max())
         assert abs(curves[dtype][-10:].mean() - reference[-10:].mean()) < 0.02, dtype
-
-
-QUICK_START_STEPS = 60
-
-
-@pytest.mark.slow
-def test_float16_and_bfloat16_follow_float32_on_the_quick_start_data_and_mesh():
-    """configs/tiny.yaml (its model, the stdlib corpus through the real data pipeline, 2 data x
-    2 fsdp x 2 expert of the 8 fake devices) for 60 steps, the same batches in each dtype.
-
-    Tolerance, set from one measured run (float32 from 7.65 nats to 5.32, last 10 steps):
-    - the first 20 steps within 0.01 nats of float32 (measured at most 3.8e-3, float16);
-    - every step within 0.25 nats (measured at most 0.156, bfloat16 at step 32): after step
-      20 the gaps grow tenfold and stay there, so from there on the bounds check that the
-      runs learn alike rather than step for step;
-    - the mean of the last 10 steps within 0.1 nats (measured 0.007 bfloat16, 0.060 float16).
-    """
-    curves, batches = {}, None
-    for dtype in ("float32", "bfloat16", "float16"):
-        cfg, origins = load_config(["configs/tiny.yaml"], [
-            f"precision.compute_dtype={dtype}", f"train.steps={QUICK_START_STEPS}"])
-        sizes = validate(cfg, 8, origins)
-        assert sizes == {"data": 2, "fsdp": 2, "pipeline": 1, "expert": 2, "tensor": 1}
-        if batches is None:
-            tokenizer = load_tokenizer(cfg.data, cfg.model.vocab_size)
-            data = iter(make_dataset(cfg.data, tokenizer))
-            batches = [next(data) for _ in range(QUICK_START_STEPS)]
-            data.close()  # stops its prefetch thread
-        trainer = make_trainer(cfg, make_mesh(sizes, dcn=dcn_sizes(cfg)))
-        state, losses = trainer.init(), []
-        for batch in batches:
-            state, metrics = _step(trainer, state, batch)
-            losses.append(float(metrics["loss"]))  # read each step, as when it was measured
-        curves[dtype] = np.asarray(losses)
-        assert int(metrics["skipped_steps"]) == 0, dtype
-    reference = curves["float32"]
-    assert reference[-10:].mean() < reference[0] - 2.0  # it did learn
-    for dtype in ("bfloat16", "float16"):
-        gap = np.abs(curves[dtype] - reference)
-        assert gap[:20].max() < 0.01, (dtype, gap[:20].max())
-        assert gap.max() < 0.25, (dtype, gap.max())
-        assert abs(curves[dtype][-10:].mean() - reference[-10:].mean()) < 0.1, dtype
