@@ -137,6 +137,28 @@ def test_fp8_dot_and_grads_close_to_float32(mode):
         assert cos > 0.998 and rel < 0.06, (mode, cos, rel)
 
 
+@pytest.mark.parametrize("mode", ["tensorwise", "blockwise"])
+def test_fp8_dot_amax_is_global_when_sharded(mode):
+    """fp8_dot under jit with x sharded over its tokens (8 devices) and w over its contracted
+    dim (each shard 64 of a 128-wide block): the amax of every scale is taken over the whole
+    tensor / tile, not per shard, so y, dx and dw equal the unsharded ones (rtol 1e-6: float32
+    reduction order). A per-shard tensorwise amax would differ by E4M3 rounding (~2^-4)."""
+    kx, kw, kg = jax.random.split(jax.random.key(16), 3)
+    x = _wide_range(kx, (256, 512))
+    w = jax.random.normal(kw, (512, 96)) * 0.05
+    g = _wide_range(kg, (256, 96))
+    run = jax.jit(lambda a, b, c: _value_and_grads(a, b, c, mode))
+    ref = run(x, w, g)
+    sizes = dict(data=8, fsdp=1, pipeline=1, expert=1, tensor=1)
+    with use_mesh(make_mesh(sizes), DEFAULT_RULES):
+        args = (jax.device_put(x, named(("batch", None))), jax.device_put(w, named(("batch", None))),
+                jax.device_put(g, named(("batch", None))))
+        assert len(args[0].sharding.device_set) == 8
+        got = run(*args)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+
+
 def test_blockwise_keeps_outlier_channels_that_tensorwise_flushes():
     """Activations with a few channels 2^16 times larger (the outliers FP8 recipes worry
     about): one tensor scale pushes the ordinary channels into E4M3's subnormals, 1x128 tiles
