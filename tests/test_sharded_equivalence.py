@@ -124,7 +124,8 @@ FP8_LAYOUTS = {  # name: (REFERENCES key of the model, layout, modes)
     "pipeline2_expert2_fsdp2_gpipe4": ("pipeline", PIPELINE_LAYOUTS[
         "pipeline2_expert2_fsdp2_gpipe4"], ("blockwise",)),
     # MLA: partial 128-blocks (rope key 8 wide, kv_a 16) under tensor sharding. Tensorwise is
-    # left out: 5.5e-5 apart with other expert loads on this layout, not yet explained
+    # left out: its grouped experts' local scales (per kernel step; F-sharded operands per
+    # tensor shard) move this model's loss 1.3e-5 - 7.4e-5 (docs/performance.md, FP8 training)
     "mla_fsdp2_expert2_tensor2": ("mla", MLA_LAYOUTS["fsdp2_expert2_tensor2"], ("blockwise",)),
 }
 # seen at most 8.6e-8 (blockwise) and 3.6e-6 (tensorwise); FP8 itself moves this loss by
