@@ -11,6 +11,16 @@ loss, one MTP module); capacity dispatch with a factor that drops assignments, a
 device dropping the same ones (capacity slots are counted per sequence, so the drops do not
 depend on the layout).
 
+FP8 (precision.fp8, float32 compute; FP8_LAYOUTS): every layout of LAYOUTS in both modes, a
+pipeline and an MLA layout blockwise, against one device in the same mode: the first step's
+loss (the forward alone: the backward's compile would double the cost) within FP8_LOSS_RTOL,
+the expert loads exactly. Blockwise is exact up to float32 order: its scales are per row
+(1x128) or per weight block, and every block lies on one shard (FP8 sets the routed experts
+128 x tensor wide). Tensorwise dense projections take a global amax (GSPMD; kernels/test_fp8
+checks fp8_dot sharded), but the grouped experts scale each kernel step's rows, which follow
+the layout (data sharding, the blocked kernel's auto block size): not exact, within 1e-5. The
+gradients are not compared: the weight gradients' 128x1 token tiles follow each layout's rows.
+
 Pipeline layouts split the batch into microbatches. Their runs keep every router loss on, at
 weights large enough to move the router gradients past the tolerance if a loss were formed per
 microbatch: the Switch balance loss is built from the batch's summed load and mean affinity,
@@ -26,10 +36,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from maxmoe.model.spec import layer_groups, pipeline_schedule
+from maxmoe.model.transformer import build_model
 from maxmoe.parallel.pipeline import num_stages
-from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import loss_and_grads, random_batch, small_config
 
@@ -100,6 +112,25 @@ MLA_LAYOUTS = {
 SIXTEEN = ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"]
 REFERENCES = {"plain": [], "pipeline": PIPELINE, "drops": DROPS, "drops_by_weight": DROPS_BY_WEIGHT,
               "pipeline_drops": PIPELINE + DROPS, "mla": MLA}
+# precision.fp8 over the layouts (float32 compute), against one device in the same mode: the
+# forward's loss and expert loads (module docstring, FP8). 2 layers (one dense, one MoE) cover
+# every FP8 projection: attention, dense MLP, shared and routed experts. Routed experts 256 wide
+# = 128 x tensor: each 128-wide block along F then lies whole on one tensor shard (with 32, a
+# block straddles the two shards, each scaling its own half).
+FP8 = ["model.num_layers=2", "moe.expert_mlp_size=256"]
+FP8_LAYOUTS = {  # name: (REFERENCES key of the model, layout, modes)
+    **{name: ("plain", LAYOUTS[name], ("blockwise", "tensorwise")) for name in LAYOUTS},
+    # tensorwise scales each pipeline microbatch apart: a different loss by design
+    "pipeline2_expert2_fsdp2_gpipe4": ("pipeline", PIPELINE_LAYOUTS[
+        "pipeline2_expert2_fsdp2_gpipe4"], ("blockwise",)),
+    # MLA: partial 128-blocks (rope key 8 wide, kv_a 16) under tensor sharding. Tensorwise is
+    # left out: its grouped experts' local scales (per kernel step; F-sharded operands per
+    # tensor shard) move this model's loss 1.3e-5 - 7.4e-5 (docs/performance.md, FP8 training)
+    "mla_fsdp2_expert2_tensor2": ("mla", MLA_LAYOUTS["fsdp2_expert2_tensor2"], ("blockwise",)),
+}
+# seen at most 8.6e-8 (blockwise) and 3.6e-6 (tensorwise); FP8 itself moves this loss by
+# 7.0e-5 (blockwise) and 1.2e-4 (tensorwise) from fp8 none, so a layout that skipped it fails
+FP8_LOSS_RTOL = {"blockwise": 1e-6, "tensorwise": 1e-5}
 
 
 def with_router_bias(params):
@@ -200,6 +231,53 @@ def test_deepseek_v3_features_match_single_device(name, references):
     """MLA, sigmoid group-limited routing with a selection bias, routed scaling, the sequence
     balance loss and MTP, sharded over expert, fsdp and tensor axes."""
     check(MLA + MLA_LAYOUTS[name], references("mla"))
+
+
+def first_loss(overrides, batch, num_devices: int):
+    """(loss, metrics) of a config's first step on the first num_devices devices: the forward
+    alone (loss_and_grads without the backward, whose compile would double the cost)."""
+    cfg, origins = small_config(*overrides)
+    mesh = make_mesh(validate(cfg, num_devices, origins), jax.devices()[:num_devices])
+    graphdef, variables = nnx.split(build_model(cfg, cfg.train.seed))
+    params = with_router_bias(nnx.to_pure_dict(variables))
+    shardings = nnx.to_pure_dict(state_shardings(variables, mesh, cfg.mesh.rules))
+    with use_mesh(mesh, cfg.mesh.rules):
+        params = jax.device_put(params, shardings)
+        batch = jax.device_put(batch, named(("batch", "seq")))
+        out = jax.jit(lambda p, b: nnx.merge(graphdef, p).loss(b))(params, batch)
+    return jax.device_get(out)
+
+
+def fp8_overrides(model: str, mode: str) -> list[str]:
+    """The overrides of an FP8 case: FP8's shape, then REFERENCES[model] (pipeline: 5 layers)."""
+    return [*FP8, *REFERENCES[model], f"precision.fp8={mode}"]
+
+
+@pytest.fixture(scope="module")
+def fp8_references():
+    """(model, mode) -> (batch, one-device (loss, metrics)), each computed on first use."""
+    cache = {}
+
+    def get(model, mode):
+        if (model, mode) not in cache:
+            cfg, _ = small_config(*fp8_overrides(model, mode))
+            batch = random_batch(cfg)
+            cache[model, mode] = batch, first_loss(fp8_overrides(model, mode), batch, 1)
+        return cache[model, mode]
+    return get
+
+
+@pytest.mark.parametrize("name, mode", [(name, mode) for name, (_, _, modes) in
+                                        FP8_LAYOUTS.items() for mode in modes])
+def test_fp8_layout_matches_single_device(name, mode, fp8_references):
+    """precision.fp8 on every layout of LAYOUTS, a pipeline and an MLA one: the loss of one
+    device in the same mode within FP8_LOSS_RTOL[mode], the expert loads exactly."""
+    model, layout, _ = FP8_LAYOUTS[name]
+    batch, (ref_loss, ref_metrics) = fp8_references(model, mode)
+    loss, metrics = first_loss(fp8_overrides(model, mode) + layout, batch, 8)
+    print(f"\nFP8 {mode} {name} loss rel {abs(loss - ref_loss) / ref_loss:.2e}")
+    np.testing.assert_allclose(loss, ref_loss, rtol=FP8_LOSS_RTOL[mode])
+    np.testing.assert_array_equal(metrics["expert_load"], ref_metrics["expert_load"])
 
 
 def compare_on(num_devices: int, overrides: list[str], reference: list[str]):

@@ -59,6 +59,19 @@ def dequantize(q: jax.Array, scale: jax.Array, tile: tuple[int, int] | None,
     return (q.astype(jnp.float32) * expand_scale(scale, tile, q.shape)).astype(dtype)
 
 
+def round_trip_row_tiles(x: jax.Array, tile: jax.Array, num_tiles: int) -> jax.Array:
+    """x [M, N] -> dequantize(quantize(x)) in float32 with tiles given per row: the elements of
+    column j in rows with tile id t share a scale (their amax / 448), so tile ids make 128x1
+    token tiles that follow group boundaries (a ragged weight gradient's). tile [M] int in
+    [0, num_tiles]; rows with id num_tiles (padding) come back as zeros and count in no amax."""
+    live = (tile < num_tiles)[:, None]
+    x = jnp.where(live, x.astype(jnp.float32), 0.0)
+    amax = jax.ops.segment_max(jnp.abs(x), tile, num_segments=num_tiles + 1)  # [tiles + 1, N]
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)[tile]
+    q = jnp.clip(x / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return q.astype(jnp.float32) * scale
+
+
 def fp8_matmul(a: jax.Array, b: jax.Array, mode: str, b_tile: int = BLOCK) -> jax.Array:
     """a [M, K] @ b [K, N] on E4M3 operands, float32 result (not differentiable: fp8_dot and
     the grouped kernels write the backward). tensorwise: one scale per operand, the float32

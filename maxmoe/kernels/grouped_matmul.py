@@ -15,7 +15,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from maxmoe.kernels.fp8 import dequantize, fp8_matmul, quantize
+from maxmoe.kernels.fp8 import fp8_matmul, quantize, round_trip_row_tiles
 from maxmoe.sharding import mesh_platform
 
 
@@ -142,7 +142,8 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="no
     docs/performance.md, Grouped matmul.
     fp8 (precision.fp8): tensorwise / blockwise run every matmul of a step on E4M3 operands
     (kernels/fp8.fp8_matmul; gate and up quantised apart; the weight gradients' token tiles
-    are the step's rows, 128 at a time; tensorwise scales per step and per expert weight).
+    are the step's rows, 128 at a time, empty slots zeroed so they count in no tile's amax;
+    tensorwise scales per step and per expert weight).
     """
     return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8)[0]
 
@@ -218,6 +219,8 @@ def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_d
             # weight gradients sum over many blocks: added in place into float32 [E, ...]
             # accumulators whatever the dtype (no per-expert zero fill, add and copy-out)
             hw = (h * w).astype(x.dtype)
+            if fp8 != "none":  # empty slots (weight 0: dgu, hw rows 0) out of the tile amax
+                xi, g = (jnp.where(w != 0, a, 0).astype(a.dtype) for a in (xi, g))
             gwgu = _mm(xi.T, dgu, fp8, b_tile=1)  # fp8: 128x1 tiles along the rows
             return (dx, drw, dwg.at[e].add(gwgu[:, :f]), dwu.at[e].add(gwgu[:, f:]),
                     dwd.at[e].add(_mm(hw.T, g, fp8, b_tile=1)))
@@ -261,9 +264,10 @@ def fp8_ragged_dot(x, w, sizes, mode: str):
     operands (mode tensorwise: one scale for x, one per expert weight; blockwise: x in 1x128
     tiles, each expert's weight in 128x128 blocks, one 128-wide K block per ragged_dot, the
     partials scaled and summed in float32). The input gradient runs the same on g and w^T. The
-    weight gradient quantises x and g along the tokens (128x1 tiles; tensorwise: one scale)
-    but contracts their dequantised float32 values (autodiff's ragged transpose of ragged_dot):
-    the same values as an FP8 GEMM, not its speed."""
+    weight gradient quantises x and g along the tokens (128x1 tiles from each expert's first
+    row, never spanning two experts; tensorwise: one scale; rows past sum(sizes) count in no
+    amax) but contracts their dequantised float32 values (autodiff's ragged transpose of
+    ragged_dot): the same values as an FP8 GEMM, not its speed."""
     return _ragged_fp8(x, w, sizes, mode).astype(x.dtype)
 
 
@@ -292,12 +296,31 @@ def _fp8_ragged_fwd(x, w, sizes, mode):
 def _fp8_ragged_bwd(mode, res, g):
     x, w, sizes = res
     dx = _ragged_fp8(g, jnp.swapaxes(w, 1, 2), sizes, mode).astype(x.dtype)
-    tile = None if mode == "tensorwise" else (128, 1)  # along the tokens
-    xd, gd = (dequantize(*quantize(a, tile), tile) for a in (x, g))
+    tile, num_tiles = _token_tiles(x.shape[0], sizes, mode)
+    xd, gd = (round_trip_row_tiles(a, tile, num_tiles) for a in (x, g))
     _, pull = jax.vjp(lambda v: jax.lax.ragged_dot(xd, v, sizes,
                                                   preferred_element_type=jnp.float32),
                       w.astype(jnp.float32))
     return dx, pull(gd)[0].astype(w.dtype), None
+
+
+def _token_tiles(m: int, sizes, mode: str):
+    """(tile [M] int, num_tiles) of the weight gradient's token tiles over the grouped rows
+    (kernels/fp8.round_trip_row_tiles): blockwise, 128 rows at a time from each group's first
+    row (a tile never spans two experts); tensorwise, one tile. Rows past sum(sizes) (other
+    shards' rows, which ragged_dot skips) get num_tiles: they count in no tile's amax."""
+    ends = jnp.cumsum(sizes)
+    row = jnp.arange(m)
+    group = jnp.searchsorted(ends, row, side="right")  # len(sizes) past the last group
+    live = group < sizes.shape[0]
+    if mode == "tensorwise":
+        return jnp.where(live, 0, 1), 1
+    group = jnp.minimum(group, sizes.shape[0] - 1)
+    per_group = (sizes + 127) // 128
+    first = jnp.cumsum(per_group) - per_group  # each group's first tile
+    num_tiles = m // 128 + sizes.shape[0]  # >= sum(ceil(sizes / 128))
+    tile = first[group] + (row - (ends - sizes)[group]) // 128
+    return jnp.where(live, tile, num_tiles), num_tiles
 
 
 fp8_ragged_dot.defvjp(_fp8_ragged_fwd, _fp8_ragged_bwd)

@@ -47,7 +47,7 @@ from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import RUN_TOKENIZER_DIR, save_tokenizer
 from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.events import EventLog
-from maxmoe.metrics.flops import peak_flops
+from maxmoe.metrics.flops import mfu_peak
 from maxmoe.metrics.host import HostTiming
 from maxmoe.metrics.progress import Progress, progress_metrics
 from maxmoe.metrics.tensorboard import TensorBoardWriter
@@ -183,10 +183,8 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
         ckpt.close()
         log("nothing to do: the run already reached train.steps (raise it to train further)")
         return {"start_step": start, "final_step": start, "preempted": False}
-    peak, peak_source = peak_flops(cfg)
-    log(f"model FLOPs/step {setup.model_flops:.3e}; peak {peak:.3e} FLOP/s ({peak_source})")
     sinks = _metric_sinks(cfg, run_dir, start) if jax.process_index() == 0 else []
-    loop = _Loop(setup, ckpt, data_iter, preemption, LogWindow(setup, peak, HostTiming()))
+    loop = _Loop(setup, ckpt, data_iter, preemption, log_window(setup))
     loop.guard.events = EventLog(run_dir / "events.jsonl" if jax.process_index() == 0 else None)
     if jax.process_index() == 0:
         loop.plan = (run_dir / "plan.json", plan_cluster)
@@ -217,6 +215,15 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
                        mfu=rec["mfu"], host_overhead_fraction=rec.get("host_overhead_fraction"))
     summary["final_step"] = final_step
     return summary
+
+
+def log_window(setup: RunSetup) -> LogWindow:
+    """The run's first LogWindow, its MFU (metrics.jsonl, the progress bar) against
+    metrics.flops.mfu_peak: FP8-class FLOPs over the FP8 peak and the rest over the bf16 one
+    under precision.fp8, as `maxmoe bench` counts; logs the FLOPs and the peak."""
+    peak, source = mfu_peak(setup.cfg)
+    log(f"model FLOPs/step {setup.model_flops:.3e}; peak {peak:.3e} FLOP/s ({source})")
+    return LogWindow(setup, peak, HostTiming())
 
 
 def _metric_sinks(cfg: Config, run_dir: Path, start: int) -> list[Sink]:

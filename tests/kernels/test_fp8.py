@@ -30,7 +30,12 @@ from maxmoe.kernels.fp8 import (
     project,
     quantize,
 )
-from maxmoe.kernels.grouped_matmul import dropless_local, fp8_ragged_dot
+from maxmoe.kernels.grouped_matmul import (
+    block_expert_mlp,
+    blocked_rows,
+    dropless_local,
+    fp8_ragged_dot,
+)
 from maxmoe.parallel.experts import routed_experts
 from maxmoe.sharding import make_mesh, named, use_mesh
 from maxmoe.train.checkpoint import Checkpointer
@@ -132,6 +137,28 @@ def test_fp8_dot_and_grads_close_to_float32(mode):
         assert cos > 0.998 and rel < 0.06, (mode, cos, rel)
 
 
+@pytest.mark.parametrize("mode", ["tensorwise", "blockwise"])
+def test_fp8_dot_amax_is_global_when_sharded(mode):
+    """fp8_dot under jit with x sharded over its tokens (8 devices) and w over its contracted
+    dim (each shard 64 of a 128-wide block): the amax of every scale is taken over the whole
+    tensor / tile, not per shard, so y, dx and dw equal the unsharded ones (rtol 1e-6: float32
+    reduction order). A per-shard tensorwise amax would differ by E4M3 rounding (~2^-4)."""
+    kx, kw, kg = jax.random.split(jax.random.key(16), 3)
+    x = _wide_range(kx, (256, 512))
+    w = jax.random.normal(kw, (512, 96)) * 0.05
+    g = _wide_range(kg, (256, 96))
+    run = jax.jit(lambda a, b, c: _value_and_grads(a, b, c, mode))
+    ref = run(x, w, g)
+    sizes = dict(data=8, fsdp=1, pipeline=1, expert=1, tensor=1)
+    with use_mesh(make_mesh(sizes), DEFAULT_RULES):
+        args = (jax.device_put(x, named(("batch", None))), jax.device_put(w, named(("batch", None))),
+                jax.device_put(g, named(("batch", None))))
+        assert len(args[0].sharding.device_set) == 8
+        got = run(*args)
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+
+
 def test_blockwise_keeps_outlier_channels_that_tensorwise_flushes():
     """Activations with a few channels 2^16 times larger (the outliers FP8 recipes worry
     about): one tensor scale pushes the ordinary channels into E4M3's subnormals, 1x128 tiles
@@ -192,6 +219,57 @@ def test_fp8_ragged_dot_equals_fp8_dot_per_expert(mode):
         else:
             cos, rel = _stats(got, ref)
             assert cos > 0.998 and rel < 0.06, (cos, rel)
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "blockwise"])
+def test_fp8_ragged_weight_grad_tiles_follow_groups_and_skip_other_rows(mode):
+    """Unaligned groups (100, 0, 156, 40 rows of 384) and 88 rows past them (other shards' rows,
+    2^12 times larger): the weight gradient equals (exactly) the one with those rows zeroed, so
+    they count in no 128x1 tile's amax; blockwise, it also equals per-expert fp8_dot (rtol 1e-5):
+    the token tiles start at each expert's first row and never span two experts."""
+    kx, kw, kg = jax.random.split(jax.random.key(12), 3)
+    sizes = jnp.array([100, 0, 156, 40], jnp.int32)
+    live = jnp.arange(384)[:, None] < 296
+    x = jax.random.normal(kx, (384, 192)) * jnp.where(live, 1.0, 2.0 ** 12)
+    g = jax.random.normal(kg, (384, 160)) * jnp.where(live, 1.0, 2.0 ** 12)
+    w = jax.random.normal(kw, (4, 192, 160)) * 0.1
+
+    def dw(x, g):
+        return jax.vjp(lambda b: fp8_ragged_dot(x, b, sizes, mode), w)[1](g)[0]
+    got = jax.jit(dw)(x, g)
+    np.testing.assert_array_equal(got, jax.jit(dw)(x * live, g * live))
+    if mode == "blockwise":
+        bounds = [0, 100, 100, 256, 296]
+        for e in range(4):
+            lo, hi = bounds[e], bounds[e + 1]
+            want = (jax.vjp(lambda b, lo=lo, hi=hi: fp8_dot(x[lo:hi], b, mode), w[e])[1](
+                g[lo:hi])[0] if hi > lo else jnp.zeros_like(w[e]))
+            np.testing.assert_allclose(got[e], want, rtol=1e-5,
+                                       atol=1e-5 * float(jnp.abs(want).max()) + 1e-30)
+
+
+def test_blocked_weight_grads_ignore_what_empty_slots_hold():
+    """The blocked kernel's empty slots (row_weight 0, padding each expert to whole blocks)
+    name any token; their rows add nothing to a product and must count in no 128x1 token
+    tile's amax either: blockwise, the weight gradients with every empty slot on a token 2^12
+    times larger than the rest equal (exactly) those with them on token 0, and so does dx on
+    the routed tokens. (Tensorwise scales each step's x and g whole, padding rows included,
+    in the forward as well: docs/performance.md, FP8 training.)"""
+    idx, weights = _routing()  # 96 tokens; row 96 of x, routed nowhere, is the large one
+    token, row_weight, bounds = blocked_rows(idx, weights, 0, 4, 16)
+    assert bool(jnp.any(row_weight == 0))
+    x = jnp.concatenate([jax.random.normal(jax.random.key(13), (96, 192)),
+                         2.0 ** 12 * jax.random.normal(jax.random.key(14), (1, 192))])
+    cot = jax.random.normal(jax.random.key(15), x.shape).at[96].multiply(2.0 ** 12)
+
+    @jax.jit
+    def grads(tok, *ws):
+        f = lambda a, *b: block_expert_mlp(a, tok, row_weight, *b, bounds, "blockwise")  # noqa: E731
+        return jax.vjp(f, x, *ws)[1](cot)
+    near, far = (grads(t, *_experts(8)) for t in (token, jnp.where(row_weight == 0, 96, token)))
+    for a, b in zip(near[1:], far[1:], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(near[0][:96], far[0][:96])
 
 
 def _routing(t=96, e=4, k=2, seed=6):

@@ -13,6 +13,7 @@ import pytest
 from maxmoe.bench import memory_line, mfu_figures
 from maxmoe.config import load_config
 from maxmoe.kernels.fp8 import fp8_dot
+from maxmoe.metrics import flops as flops_module
 from maxmoe.metrics.flops import (
     effective_peak,
     flops_by_precision,
@@ -31,6 +32,7 @@ from maxmoe.plan.roofline import (
     compute_peak,
     step_time,
 )
+from maxmoe.train.loop import log_window
 
 TINY_V3 = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml"]
 PRESETS = [TINY_V3, ["configs/tiny.yaml", "configs/models/tiny_mixtral.yaml"]]
@@ -108,6 +110,26 @@ def test_bench_mfu_figures():
     assert r["mfu"] == pytest.approx(want, rel=1e-12)
     assert r["mfu_vs_bf16_peak"] > r["mfu"] > r["mfu_vs_fp8_peak"]
     assert r["mfu_vs_fp8_peak"] == pytest.approx(r["mfu_vs_bf16_peak"] / 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("fp8", ["none", "blockwise"])
+def test_training_loop_mfu_counts_as_bench(fp8, monkeypatch):
+    """The training loop's MFU (metrics.jsonl, the progress bar) on an H200 (data sheets faked
+    in: bf16 989e12, fp8 1979e12 FLOP/s a device) equals bench's mfu_figures: FP8-class FLOPs
+    at the FP8 peak. Counting every FLOP at the bf16 peak (the old loop) gives
+    mfu_vs_bf16_peak, which differs by the FP8 share (tiny V3: 649216 of its params per token)."""
+    sheets = {"bf16": ("H200", 989e12), "fp8": ("H200", 1979e12)}
+    monkeypatch.setattr(flops_module, "_data_sheet_peak", lambda table=None, precision="bf16": (
+        sheets[precision][1] * 1.0, f"{sheets[precision][0]} {precision} data-sheet peak"))
+    setup = fake_setup(tiny_v3(fp8))
+    window = log_window(setup)  # LogWindow.close: mfu = model FLOPs / step time / window.peak
+    n, seconds = jax.device_count(), 0.5
+    want = mfu_figures(setup, seconds, (989e12 * n, "bf16"), (1979e12 * n, "fp8"))
+    assert setup.model_flops / seconds / window.peak == pytest.approx(want["mfu"], rel=1e-12)
+    if fp8 == "none":
+        assert want["mfu"] == pytest.approx(want["mfu_vs_bf16_peak"], rel=1e-12)
+    else:
+        assert want["mfu"] < 0.9 * want["mfu_vs_bf16_peak"], want
 
 
 def test_cpu_fp8_peak_falls_back_to_the_bf16_one():
