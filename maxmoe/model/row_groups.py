@@ -62,13 +62,19 @@ def combine_aux(aux: dict) -> dict:
     return out
 
 
-def over_row_groups(fn, groups: int, rows: tuple, summed_init):
+def over_row_groups(fn, groups: int, rows: tuple, summed_init, *, remat: bool = False):
     """Runs fn(*row_arrays) -> (out, summed, aux) on `groups` groups of rows in turn.
 
     rows: arrays [B, ...] (split by split_rows); out: [B/G, ...] arrays or None, joined back
     to [B, ...]; summed: a pytree of values added over the groups, starting from summed_init
     (e.g. loss sums); aux: {key: value} combined by combine_aux (kept_aux's keys only).
-    Returns (out, summed, aux)."""
+    remat: fn under jax.checkpoint saving nothing, so the scan keeps only each group's inputs
+    for the backward (else whatever fn's backward needs, e.g. float32 logits, is kept for
+    every group: the whole batch's again). Returns (out, summed, aux)."""
+    if remat:
+        fn = jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable,
+                            prevent_cse=False)
+
     def body(total, xs):
         out, summed, aux = fn(*xs)
         total = jax.tree.map(jnp.add, total, summed)

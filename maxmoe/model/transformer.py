@@ -330,8 +330,11 @@ class Transformer(nnx.Module):
         """The LM loss and MTP after the layers: x [B, S, D], counts [1 + D] the denominators
         (loss_token_counts of the whole batch or step) -> (CE, MTP losses per depth [D] or None,
         MTP aux [D, ...]). With model.outer_microbatches = G > 1 over G groups of rows in
-        turn (model/row_groups.py), the MTP blocks rematerialised per group as configured."""
-        groups = self.cfg.outer_microbatches
+        turn (model/row_groups.py). What the scan keeps per group stays small: the chunked
+        head (model.lm_loss_chunk) keeps only its input and log-sum-exps, the MTP blocks are
+        rematerialised as model.remat_policy says; the unchunked head would keep its float32
+        logits, so then each group's whole pass is rematerialised (one more forward of it)."""
+        groups, chunked = self.cfg.outer_microbatches, self.cfg.lm_loss_chunk > 0
         cols = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
 
         def one(x, *values):
@@ -340,7 +343,7 @@ class Transformer(nnx.Module):
                                tokens=counts[0])
             if self.mtp is None:
                 return None, (ce, None), {}
-            losses, aux = self._mtp_losses(x, part, counts[1:], remat=groups > 1)
+            losses, aux = self._mtp_losses(x, part, counts[1:], remat=groups > 1 and chunked)
             return None, (ce, losses), aux
 
         if groups == 1:
@@ -349,7 +352,7 @@ class Transformer(nnx.Module):
         zeros = (jnp.zeros((), jnp.float32),
                  None if self.mtp is None else jnp.zeros((len(self.mtp),), jnp.float32))
         _, (ce, losses), aux = over_row_groups(one, groups, (x, *(batch[c] for c in cols)),
-                                               zeros)
+                                               zeros, remat=not chunked)
         return ce, losses, aux
 
     def _mtp_losses(self, x, batch, step_tokens, remat: bool = False):

@@ -11,7 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import ConfigError
+from maxmoe.bench import memory_analysis
+from maxmoe.config import ConfigError, load_config
+from maxmoe.plan.probe import abstract_batch
+from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.train.step import make_trainer
 from maxmoe.validation import validate
 from tests.helpers import loss_and_grads, random_batch, small_config
 
@@ -39,10 +43,14 @@ def _check_equal(base: list[str], groups: int, devices: int):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-def test_row_groups_equal_all_rows_at_once_on_one_device():
-    _check_equal(DEEPSEEK, groups=4, devices=1)
+@pytest.mark.parametrize("chunk", [8, 0])
+def test_row_groups_equal_all_rows_at_once_on_one_device(chunk):
+    """4 groups of 4 rows; the chunked head (MTP blocks rematerialised per group) and the
+    unchunked one (each group's whole pass rematerialised)."""
+    _check_equal([*DEEPSEEK, f"model.lm_loss_chunk={chunk}"], groups=4, devices=1)
 
 
+@pytest.mark.slow
 def test_row_groups_equal_all_rows_at_once_pipelined():
     """2 stages x fsdp 2 x expert 2: the dense prefix, head, loss and MTP in 2 groups of the
     2 rows each device holds outside the pipeline."""
@@ -54,3 +62,33 @@ def test_groups_that_do_not_divide_the_rows_are_refused():
     cfg, origins = small_config("model.outer_microbatches=3")  # 16 rows on one device
     with pytest.raises(ConfigError, match=r"model.outer_microbatches.*divide the 16 rows"):
         validate(cfg, 1, origins)
+
+
+# the README's pipeline model (tiny DeepSeek-V3: a dense layer, MLA, MTP with its own MoE
+# layer) on 4 stages x fsdp 2, head-heavy: a 16384-token vocabulary, no lm_loss_chunk, so the
+# logits f32 [rows, 64, 16384] (4 MiB a row) and their gradient dominate; 16 sequences, 2 rows
+# a device outside the pipeline
+OUTER_HEAVY = ["mesh.pipeline=4", "mesh.fsdp=2", "mesh.expert=1", "mesh.data=1",
+               "model.num_layers=5", "model.pipeline_schedule=gpipe", "model.vocab_size=16384",
+               "data.seq_len=64", "data.global_batch_size=64", "model.remat_policy=full",
+               "model.pipeline_microbatches=4"]
+
+
+def _temporaries(*overrides: str) -> int:
+    cfg, origins = load_config(["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml",
+                                "configs/mesh/cpu8_pipeline.yaml"], list(overrides))
+    trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins)))
+    with use_mesh(trainer.mesh, trainer.rules):
+        compiled = trainer.jitted_step.lower(
+            trainer.abstract_state, abstract_batch(cfg, trainer.batch_sharding)).compile()
+    return memory_analysis(compiled)["temp_bytes"]
+
+
+@pytest.mark.slow
+def test_row_groups_bound_the_outside_temporaries():
+    """The compiled pipelined train step with the outside work in 2 groups of 1 row a device
+    against all rows at once (the code path before model.outer_microbatches): the head / loss
+    buffers halve. Measured BOUND_MEASURED; bound 0.8."""
+    grouped = _temporaries(*OUTER_HEAVY, "model.outer_microbatches=8")
+    whole = _temporaries(*OUTER_HEAVY)
+    assert grouped < 0.8 * whole, (grouped / whole, grouped, whole)
