@@ -66,7 +66,7 @@ def test_groups_that_do_not_divide_the_rows_are_refused():
 
 # the README's pipeline model (tiny DeepSeek-V3: a dense layer, MLA, MTP with its own MoE
 # layer) on 4 stages x fsdp 2, head-heavy: a 16384-token vocabulary, no lm_loss_chunk, so the
-# logits f32 [rows, 64, 16384] (4 MiB a row) and their gradient dominate; 16 sequences, 2 rows
+# logits f32 [rows, 64, 16384] (4 MiB a row) and their gradient dominate; 64 sequences, 8 rows
 # a device outside the pipeline
 OUTER_HEAVY = ["mesh.pipeline=4", "mesh.fsdp=2", "mesh.expert=1", "mesh.data=1",
                "model.num_layers=5", "model.pipeline_schedule=gpipe", "model.vocab_size=16384",
@@ -86,9 +86,11 @@ def _temporaries(*overrides: str) -> int:
 
 @pytest.mark.slow
 def test_row_groups_bound_the_outside_temporaries():
-    """The compiled pipelined train step with the outside work in 2 groups of 1 row a device
-    against all rows at once (the code path before model.outer_microbatches): the head / loss
-    buffers halve. Measured BOUND_MEASURED; bound 0.8."""
+    """The compiled pipelined train step with the outside work in 8 groups of 1 row a device
+    against all 8 rows at once (the code path before model.outer_microbatches): measured 0.50
+    (74.1 MB against 146.9 MB, 2026-12-05; without the per-group remat of the unchunked head,
+    which kept every group's logits, 16 sequences in 2 groups measured 1.25); the same compile
+    twice would give 1.0. Bound 0.7: between the two."""
     grouped = _temporaries(*OUTER_HEAVY, "model.outer_microbatches=8")
     whole = _temporaries(*OUTER_HEAVY)
-    assert grouped < 0.8 * whole, (grouped / whole, grouped, whole)
+    assert grouped < 0.7 * whole, (grouped / whole, grouped, whole)
