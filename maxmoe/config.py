@@ -48,6 +48,10 @@ class ModelConfig:
     # tokens of each sequence per chunk of the LM head + loss (kernels/lm_loss.py): no float32
     # [B, S, V] logits; must divide data.seq_len; 0 = the whole sequence at once
     lm_loss_chunk: int = 0
+    # the work outside the pipelined layers (unpipelined layer stacks, final norm, LM head and
+    # loss, MTP) runs over this many groups of each device's rows in turn (lax.scan,
+    # model/row_groups.py): its temporaries are one group's; 1 = all rows at once
+    outer_microbatches: int = 1
     pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches >= P)
     pipeline_microbatches: int = 0  # microbatches per step; 0 = number of stages
     pipeline_repeats: int = 2  # circular: layer chunks per stage (bubble shrinks V times)

@@ -439,6 +439,18 @@ def check_batch_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
          f"use a multiple of {batch_shards}")
 
 
+def check_outer_microbatches(cfg: Config, sizes: dict[str, int], need: Need) -> None:
+    """model.outer_microbatches groups split every device's rows of an accumulation step
+    evenly (model/row_groups.py: then the regrouping moves nothing between devices)."""
+    groups = cfg.model.outer_microbatches
+    need(groups >= 1, "model.outer_microbatches", f"is {groups}, must be >= 1",
+         "use 1 (all rows at once) or more groups")
+    rows = cfg.data.global_batch_size // (shards(cfg, sizes, "batch") * cfg.train.grad_accum_steps)
+    need(groups == 1 or rows % groups == 0, "model.outer_microbatches",
+         f"{groups} groups do not divide the {rows} rows each device holds per accumulation step",
+         f"use a divisor of {rows}")
+
+
 def check_data_fits_model(cfg: Config, need: Need) -> None:
     """A model with a big vocabulary names its data: the stdlib fallback would otherwise
     train a tokenizer of that size on a few MB of Python sources (and fail, or be useless)."""
@@ -473,4 +485,5 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
     check_model_shards(cfg, sizes, need)
     check_two_level(cfg, sizes, need)
     check_batch_shards(cfg, sizes, need)
+    check_outer_microbatches(cfg, sizes, need)
     return sizes

@@ -24,6 +24,7 @@ from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
 from maxmoe.model.router import switch_balance_loss, updated_bias
+from maxmoe.model.row_groups import over_row_groups
 from maxmoe.model.spec import PipelineSchedule, layer_groups, pipeline_schedule
 from maxmoe.parallel.pipeline import num_stages, run_pipeline
 from maxmoe.sharding import shard
@@ -174,6 +175,23 @@ def loss_token_counts(batch: dict, mtp_depth: int) -> jax.Array:
     return jnp.stack([jnp.sum(m) for m in masks])
 
 
+def _nothing_summed(out, aux):
+    """(out, aux) -> over_row_groups' (out, summed, aux) with nothing summed."""
+    return out, (), aux
+
+
+def _maybe_remat(module: nnx.Module, remat: bool, policy: str):
+    """module's __call__, under jax.checkpoint with REMAT_POLICIES[policy] when remat."""
+    if not remat:
+        return module
+    graphdef, state = nnx.split(module)
+
+    def apply(state, *args):
+        return nnx.merge(graphdef, state)(*args)
+    run = jax.checkpoint(apply, policy=REMAT_POLICIES[policy], prevent_cse=False)
+    return lambda *args: run(state, *args)
+
+
 def _join(auxs: list[dict], key: str):
     return jnp.concatenate([a[key] for a in auxs if key in a], axis=0)
 
@@ -215,10 +233,15 @@ class Transformer(nnx.Module):
             x = self.embed(tokens)
         moe_auxs, dense_auxs = [], []
         schedule = pipeline_schedule(self.cfg, num_stages())
+        groups = self.cfg.outer_microbatches
         for (is_moe, _, n), stack in zip(layer_groups(self.cfg), self.layer_groups, strict=True):
-            x, group_aux = run_stack(stack, x, segment_ids, positions,
-                                     remat=self.cfg.remat_policy,
-                                     pipeline=schedule if schedule.pipelines(n) else None)
+            run = functools.partial(run_stack, stack, remat=self.cfg.remat_policy,
+                                    pipeline=schedule if schedule.pipelines(n) else None)
+            if groups > 1 and not schedule.pipelines(n):  # outside the pipeline: row groups
+                x, _, group_aux = over_row_groups(lambda *rows, run=run: _nothing_summed(
+                    *run(*rows)), groups, (x, segment_ids, positions), ())
+            else:
+                x, group_aux = run(x, segment_ids, positions)
             (moe_auxs if is_moe else dense_auxs).append(group_aux)
         aux: dict = {}
         if dense_auxs:
@@ -267,15 +290,15 @@ class Transformer(nnx.Module):
         are its weighted part, which summed over the step's microbatches give the whole batch's.
         """
         x, aux = self.hidden(batch["tokens"], batch["segment_ids"], batch["positions"])
-        mask = batch["loss_mask"].astype(jnp.float32)
-        tokens = None if share is None else share.step_tokens
-        ce = self._lm_loss(x, batch["targets"], mask, tokens=None if tokens is None else tokens[0])
+        counts = (loss_token_counts(batch, self.cfg.mtp_depth) if share is None
+                  else share.step_tokens)
+        ce, mtp_losses, mtp_aux = self._outer_losses(x, batch, counts)
         total = ce
         metrics = {"ce_loss": ce}
         if "dense_activation_rms" in aux:  # [L_dense]; MoE layers' RMS follow below
             metrics["dense_activation_rms"] = aux["dense_activation_rms"]
         if self.mtp is not None:
-            mtp_loss, mtp_aux = self._mtp_loss(x, batch, None if tokens is None else tokens[1:])
+            mtp_loss = jnp.mean(mtp_losses)
             total = total + self.cfg.mtp_loss_weight * mtp_loss
             metrics["mtp_loss"] = mtp_loss
             if "expert_load" in aux and "expert_load" in mtp_aux:
@@ -303,19 +326,51 @@ class Transformer(nnx.Module):
         metrics["loss"] = total
         return total, metrics
 
-    def _mtp_loss(self, x, batch, step_tokens=None):
-        """Mean over depths k = 1..D of the CE of predicting token i+k+1 at position i; each
-        CE divided by step_tokens[k - 1] when given (LossShare), else by its own tokens."""
+    def _outer_losses(self, x, batch, counts):
+        """The LM loss and MTP after the layers: x [B, S, D], counts [1 + D] the denominators
+        (loss_token_counts of the whole batch or step) -> (CE, MTP losses per depth [D] or None,
+        MTP aux [D, ...]). With model.outer_microbatches = G > 1 over G groups of rows in
+        turn (model/row_groups.py). What the scan keeps per group stays small: the chunked
+        head (model.lm_loss_chunk) keeps only its input and log-sum-exps, the MTP blocks are
+        rematerialised as model.remat_policy says; the unchunked head would keep its float32
+        logits, so then each group's whole pass is rematerialised (one more forward of it)."""
+        groups, chunked = self.cfg.outer_microbatches, self.cfg.lm_loss_chunk > 0
+        cols = ("tokens", "targets", "loss_mask", "segment_ids", "positions")
+
+        def one(x, *values):
+            part = dict(zip(cols, values, strict=True))
+            ce = self._lm_loss(x, part["targets"], part["loss_mask"].astype(jnp.float32),
+                               tokens=counts[0])
+            if self.mtp is None:
+                return None, (ce, None), {}
+            losses, aux = self._mtp_losses(x, part, counts[1:], remat=groups > 1 and chunked)
+            return None, (ce, losses), aux
+
+        if groups == 1:
+            _, (ce, losses), aux = one(x, *(batch[c] for c in cols))
+            return ce, losses, aux
+        zeros = (jnp.zeros((), jnp.float32),
+                 None if self.mtp is None else jnp.zeros((len(self.mtp),), jnp.float32))
+        _, (ce, losses), aux = over_row_groups(one, groups, (x, *(batch[c] for c in cols)),
+                                               zeros, remat=not chunked)
+        return ce, losses, aux
+
+    def _mtp_losses(self, x, batch, step_tokens, remat: bool = False):
+        """[D] the CE of predicting token i+k+1 at position i for depths k = 1..D, each
+        divided by step_tokens[k - 1], and the MTP blocks' aux [D, ...]. remat: each MTP layer
+        under jax.checkpoint with model.remat_policy (inside a scan over row groups, its
+        internals would otherwise be kept for every group)."""
         tokens, segment_ids, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
         losses, auxs = [], []
         for k, layer in enumerate(self.mtp, start=1):
-            x, aux = layer(x, self.embed(shift_left(tokens, k)), segment_ids, positions)
+            x, aux = _maybe_remat(layer, remat and self.cfg.remat_policy != "none",
+                                  self.cfg.remat_policy)(
+                x, self.embed(shift_left(tokens, k)), segment_ids, positions)
             losses.append(self._lm_loss(x, shift_left(batch["targets"], k), mtp_mask(batch, k),
-                                        layer.final_norm,
-                                        None if step_tokens is None else step_tokens[k - 1]))
+                                        layer.final_norm, step_tokens[k - 1]))
             auxs.append({key: value[None] for key, value in aux.items()})
         joined = {key: _join(auxs, key) for key in auxs[0]}
-        return jnp.mean(jnp.stack(losses)), joined
+        return jnp.stack(losses), joined
 
     def _moe_blocks(self) -> list[MoE]:
         """The MoE MLPs in the order of the [L_moe, ...] metrics: layer groups (a stacked
