@@ -141,16 +141,19 @@ def test_fp8_dot_and_grads_close_to_float32(mode):
         assert cos > 0.998 and rel < 0.06, (mode, cos, rel)
 
 
-@pytest.mark.parametrize("mode", ["tensorwise", "blockwise"])
-def test_fp8_dot_amax_is_global_when_sharded(mode):
+@pytest.mark.parametrize("mode,tokens", [("tensorwise", 256), ("blockwise", 256),
+                                         ("blockwise", 2048)])
+def test_fp8_dot_amax_is_global_when_sharded(mode, tokens):
     """fp8_dot under jit with x sharded over its tokens (8 devices) and w over its contracted
     dim (each shard 64 of a 128-wide block): the amax of every scale is taken over the whole
     tensor / tile, not per shard, so y, dx and dw equal the unsharded ones (rtol 1e-6: float32
-    reduction order). A per-shard tensorwise amax would differ by E4M3 rounding (~2^-4)."""
+    reduction order). A per-shard tensorwise amax would differ by E4M3 rounding (~2^-4).
+    Blockwise weight-gradient token tiles: 256 tokens, each 128-token tile across 4 shards;
+    2048, two whole tiles on each shard (kernels/fp8.token_tiled_matmul's [G, C] layout)."""
     kx, kw, kg = jax.random.split(jax.random.key(16), 3)
-    x = _wide_range(kx, (256, 512))
+    x = _wide_range(kx, (tokens, 512))
     w = jax.random.normal(kw, (512, 96)) * 0.05
-    g = _wide_range(kg, (256, 96))
+    g = _wide_range(kg, (tokens, 96))
     run = jax.jit(lambda a, b, c: _value_and_grads(a, b, c, mode))
     ref = run(x, w, g)
     sizes = dict(data=8, fsdp=1, pipeline=1, expert=1, tensor=1)
