@@ -24,6 +24,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -78,8 +79,44 @@ def fp8_matmul(a: jax.Array, b: jax.Array, mode: str, b_tile: int = BLOCK) -> ja
     product rescaled once. blockwise: a in 1x128 tiles (per row, per 128 of K), b in
     128 x b_tile blocks (128x128 for a weight; 1 for the weight gradient's 128x1 token tiles),
     one 128-wide K block at a time, each partial product scaled and summed in float32."""
+    if mode == "blockwise" and b_tile == 1:
+        return token_tiled_matmul(a, b)
     qb, sb = quantize(b, _tile(mode, (BLOCK, b_tile)))
     return scaled_matmul(a, qb, sb, mode, b_tile)
+
+
+def token_tiled_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [P, M] @ b [M, N] -> float32 [P, N], both operands in E4M3 128x1 tiles along M (the
+    weight gradient's token tiles: scale per 128 tokens, per column of either operand), each
+    tile's product scaled and summed in float32. M's tiles are laid out as [G, C] with G
+    = gcd(tiles, devices of an XLA-partitioned mesh; 1 without one or inside shard_map): the
+    token sharding lands on G, each device sums its own tiles over C and XLA adds the G
+    partial sums once at the end, instead of replicating the token-sharded operands to slice
+    their tiles (issue 28). The same tiles and products as quantize / scaled_matmul."""
+    (p, m), n = a.shape, b.shape[1]
+    t = -(-m // BLOCK)
+    g = math.gcd(t, _partitioned_devices())
+    c = t // g
+    a4 = _sharded_but(jnp.pad(a, ((0, 0), (0, t * BLOCK - m))).reshape(p, g, c, BLOCK), 2)
+    b4 = _sharded_but(jnp.pad(b, ((0, t * BLOCK - m), (0, 0))).reshape(g, c, BLOCK, n), 1)
+    qa, sa = _quantize_along(a4, 3)  # sa [P, G, C, 1]
+    qb, sb = _quantize_along(b4, 2)  # sb [G, C, 1, N]
+    sa = jnp.moveaxis(sa[..., 0], 0, -1)  # [G, C, P]
+
+    def tile(j, acc):
+        part = jnp.einsum("pgk,gkn->gpn", qa[:, :, j], qb[:, j],
+                          preferred_element_type=jnp.float32)
+        return acc + part * sa[:, j, :, None] * sb[:, j]
+    acc = jax.lax.fori_loop(0, c, tile, jnp.zeros((g, p, n), jnp.float32), unroll=c <= 8)
+    return acc[0] if g == 1 else acc.sum(0)
+
+
+def _quantize_along(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """x -> (q E4M3, scale float32 with axis kept at size 1): one scale per slice along
+    axis, as quantize's tiles (amax / 448, 1 for all zeros)."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    return jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
 
 
 def _tile(mode: str, tile: tuple[int, int]) -> tuple[int, int] | None:
@@ -101,13 +138,35 @@ def scaled_matmul(a: jax.Array, qb: jax.Array, sb: jax.Array, mode: str,
     sb = expand_scale(sb, (1, b_tile), (kb, n))  # [KB, N]
     if kb == 1:
         return jnp.dot(qa, qb, preferred_element_type=jnp.float32) * sa * sb
-    qa = jnp.pad(qa, ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK)
-    qb = jnp.pad(qb, ((0, kb * BLOCK - k), (0, 0))).reshape(kb, BLOCK, n)
+    # the loop slices the block dim: keep it whole on every device, or GSPMD shards the
+    # loop's operands over it and then replicates them to slice (issue 28)
+    qa = _sharded_but(jnp.pad(qa, ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK), 1)
+    qb = _sharded_but(jnp.pad(qb, ((0, kb * BLOCK - k), (0, 0))).reshape(kb, BLOCK, n), 0)
+    sa, sb = _sharded_but(sa, 1), _sharded_but(sb, 0)
 
     def block(i, acc):
         part = jnp.dot(qa[:, i], qb[i], preferred_element_type=jnp.float32)
         return acc + part * sa[:, i, None] * sb[i][None, :]
     return jax.lax.fori_loop(0, kb, block, jnp.zeros((m, n), jnp.float32), unroll=kb <= 8)
+
+
+def _partitioned_devices() -> int:
+    """Devices of the current mesh when XLA partitions it (all axes Auto); 1 without a mesh
+    or inside shard_map (manual axes), where arrays are local."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
+        return 1
+    return mesh.size
+
+
+def _sharded_but(x: jax.Array, dim: int) -> jax.Array:
+    """x with dim unsharded (a sharding constraint; the other dims left to XLA), so a loop
+    can slice it without a reshard; x itself where `_partitioned_devices` is 1."""
+    if _partitioned_devices() == 1:
+        return x
+    dims = [P.UNCONSTRAINED] * x.ndim
+    dims[dim] = None
+    return jax.lax.with_sharding_constraint(x, P(*dims))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

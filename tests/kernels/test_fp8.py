@@ -13,6 +13,10 @@ Against the float32 dot, the error is E4M3's rounding of both operands.
 """
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -137,16 +141,19 @@ def test_fp8_dot_and_grads_close_to_float32(mode):
         assert cos > 0.998 and rel < 0.06, (mode, cos, rel)
 
 
-@pytest.mark.parametrize("mode", ["tensorwise", "blockwise"])
-def test_fp8_dot_amax_is_global_when_sharded(mode):
+@pytest.mark.parametrize("mode,tokens", [("tensorwise", 256), ("blockwise", 256),
+                                         ("blockwise", 2048)])
+def test_fp8_dot_amax_is_global_when_sharded(mode, tokens):
     """fp8_dot under jit with x sharded over its tokens (8 devices) and w over its contracted
     dim (each shard 64 of a 128-wide block): the amax of every scale is taken over the whole
     tensor / tile, not per shard, so y, dx and dw equal the unsharded ones (rtol 1e-6: float32
-    reduction order). A per-shard tensorwise amax would differ by E4M3 rounding (~2^-4)."""
+    reduction order). A per-shard tensorwise amax would differ by E4M3 rounding (~2^-4).
+    Blockwise weight-gradient token tiles: 256 tokens, each 128-token tile across 4 shards;
+    2048, two whole tiles on each shard (kernels/fp8.token_tiled_matmul's [G, C] layout)."""
     kx, kw, kg = jax.random.split(jax.random.key(16), 3)
-    x = _wide_range(kx, (256, 512))
+    x = _wide_range(kx, (tokens, 512))
     w = jax.random.normal(kw, (512, 96)) * 0.05
-    g = _wide_range(kg, (256, 96))
+    g = _wide_range(kg, (tokens, 96))
     run = jax.jit(lambda a, b, c: _value_and_grads(a, b, c, mode))
     ref = run(x, w, g)
     sizes = dict(data=8, fsdp=1, pipeline=1, expert=1, tensor=1)
@@ -432,3 +439,41 @@ def test_bf16_checkpoint_resumes_in_fp8(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _, metrics = trainer.step(resumed.state, random_batch(cfg))
     assert np.isfinite(float(metrics["loss"])), metrics["loss"]
+
+
+# compiles the tiny config's train step (2 data x 2 fsdp x 2 expert) in blockwise FP8; argv:
+# extra config files. A fresh process without compilation cache: a cache hit skips the
+# partitioner and its log.
+COMPILE_BLOCKWISE = """
+import sys
+from maxmoe.config import load_config
+from maxmoe.plan.probe import abstract_batch
+from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.train.step import make_trainer
+from maxmoe.validation import validate
+
+cfg, origins = load_config(["configs/tiny.yaml", *sys.argv[1:]],
+                           ["precision.compute_dtype=bfloat16", "precision.fp8=blockwise"])
+trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins)))
+with use_mesh(trainer.mesh, trainer.rules):
+    trainer.jitted_step.lower(trainer.abstract_state,
+                              abstract_batch(cfg, trainer.batch_sharding)).compile()
+print("compiled", file=sys.stderr, flush=True)
+"""
+REPLICATION = "Involuntary full rematerialization"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_blockwise_step_compiles_without_replication():
+    """Issue 28: the weight gradient's 128-token tiles, cut across the token-sharded dim and
+    sliced in a loop, made GSPMD replicate E4M3 operands and scales (28 warnings on the tiny
+    config); none now."""
+    env = dict(os.environ)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    run = subprocess.run([sys.executable, "-c", COMPILE_BLOCKWISE], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert "compiled" in run.stderr, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if REPLICATION in line]
+    assert not lines, f"{len(lines)} replications, first: {lines[0][:600]}"
