@@ -36,9 +36,11 @@ def main() -> None:
                          [a for a in args.items if "=" in a])
     if args.grouped_matmul:  # measure another kernel: patch the decode config's choice
         chosen = decode.decode_config
-        decode.decode_config = lambda c, d, split: dataclasses.replace(
-            chosen(c, d), moe=dataclasses.replace(chosen(c, d).moe,
-                                                  grouped_matmul=args.grouped_matmul))
+        def with_kernel(c, d, experts_split=False):
+            base = chosen(c, d, experts_split)
+            return dataclasses.replace(base, moe=dataclasses.replace(
+                base.moe, grouped_matmul=args.grouped_matmul))
+        decode.decode_config = with_kernel
     t0 = time.perf_counter()
     params = nnx.to_pure_dict(nnx.state(build_model(cfg, 0)))
     decoder = Decoder(cfg, params, dtype=args.dtype,
