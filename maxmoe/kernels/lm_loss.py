@@ -1,4 +1,5 @@
-"""The LM head and its cross-entropy fused over chunks of the sequence (`model.lm_loss_chunk`).
+"""The LM head and its cross-entropy: whole (`lm_head_matmul`, `cross_entropy`), or fused over
+chunks of the sequence (`model.lm_loss_chunk`, `chunked_lm_loss`).
 
 Unchunked, a step holds several float32 [B, S, V] arrays at once (logits, their exponentials,
 the logit gradient): with DeepSeek-V3's 129K vocabulary that is 2 GiB each per 4096 tokens.
@@ -14,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from maxmoe.sharding import shard
 
@@ -84,3 +86,40 @@ def _bwd(chunk, res, g):
 
 
 chunked_lm_loss.defvjp(_fwd, _bwd)
+
+
+@jax.custom_vjp
+def lm_head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [B, S, D] @ w [D, V] -> logits [B, S, V] float32.
+
+    The backward computes the weight gradient as x^T (materialised) @ dlogits, a plain
+    row-major matmul: left to autodiff, XLA:CPU transposed the [B*S, V] logit gradient and ran
+    a slow transposed-operand dot (docs/performance.md, Other ops of the step)."""
+    return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+
+
+def _lm_head_fwd(x, w):
+    return lm_head_matmul(x, w), (x, w)
+
+
+def _lm_head_bwd(res, g):
+    x, w = res
+    dx = jnp.einsum("bsv,dv->bsd", g.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [D, B*S], kept as is
+    dw = jnp.dot(xt, g.reshape(-1, g.shape[-1]).astype(x.dtype),
+                 preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
+
+
+@jax.named_scope("loss")
+def cross_entropy(logits, targets, mask, tokens=None):
+    """Summed cross-entropy over mask's tokens / `tokens` (default: mask's own count)."""
+    # on [tokens, vocab]: XLA:CPU's loop fusions index a 3-D [B, S, V] array with a broadcast
+    # [B, S] row statistic markedly slower (docs/performance.md, Other ops of the step)
+    ce = optax.softmax_cross_entropy_with_integer_labels(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    return jnp.sum(ce * mask.reshape(-1)) / jnp.maximum(
+        jnp.sum(mask) if tokens is None else tokens, 1.0)

@@ -13,11 +13,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from maxmoe.config import AttentionConfig, Config, ModelConfig, MoEConfig
-from maxmoe.kernels.lm_loss import chunked_lm_loss
+from maxmoe.kernels.lm_loss import chunked_lm_loss, cross_entropy, lm_head_matmul
 from maxmoe.model.attention import make_attention
 from maxmoe.model.decode_moe import moe_step
 from maxmoe.model.layers import MLP, Embed, RMSNorm, param
@@ -180,9 +179,9 @@ def _nothing_summed(out, aux):
     return out, (), aux
 
 
-def _maybe_remat(module: nnx.Module, remat: bool, policy: str):
-    """module's __call__, under jax.checkpoint with REMAT_POLICIES[policy] when remat."""
-    if not remat:
+def _maybe_remat(module: nnx.Module, policy: str):
+    """module's __call__, under jax.checkpoint with REMAT_POLICIES[policy] unless "none"."""
+    if policy == "none":
         return module
     graphdef, state = nnx.split(module)
 
@@ -271,7 +270,7 @@ class Transformer(nnx.Module):
         chunk by chunk (kernels/lm_loss.py)."""
         chunk = self.cfg.lm_loss_chunk
         if not chunk:
-            return _cross_entropy(self.logits(x, norm), targets, mask, tokens)
+            return cross_entropy(self.logits(x, norm), targets, mask, tokens)
         with jax.named_scope("lm_head"):
             h = (norm or self.final_norm)(x)
             total = chunked_lm_loss(h, self.head_weight(), targets, mask,
@@ -363,8 +362,7 @@ class Transformer(nnx.Module):
         tokens, segment_ids, positions = batch["tokens"], batch["segment_ids"], batch["positions"]
         losses, auxs = [], []
         for k, layer in enumerate(self.mtp, start=1):
-            x, aux = _maybe_remat(layer, remat and self.cfg.remat_policy != "none",
-                                  self.cfg.remat_policy)(
+            x, aux = _maybe_remat(layer, self.cfg.remat_policy if remat else "none")(
                 x, self.embed(shift_left(tokens, k)), segment_ids, positions)
             losses.append(self._lm_loss(x, shift_left(batch["targets"], k), mtp_mask(batch, k),
                                         layer.final_norm, step_tokens[k - 1]))
@@ -407,32 +405,6 @@ def build_model(cfg: Config, seed: int = 0) -> Transformer:
                        fp8=cfg.precision.fp8)
 
 
-@jax.custom_vjp
-def lm_head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [B, S, D] @ w [D, V] -> logits [B, S, V] float32.
-
-    The backward computes the weight gradient as x^T (materialised) @ dlogits, a plain
-    row-major matmul: left to autodiff, XLA:CPU transposed the [B*S, V] logit gradient and ran
-    a slow transposed-operand dot (docs/performance.md, Other ops of the step)."""
-    return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
-
-
-def _lm_head_fwd(x, w):
-    return lm_head_matmul(x, w), (x, w)
-
-
-def _lm_head_bwd(res, g):
-    x, w = res
-    dx = jnp.einsum("bsv,dv->bsd", g.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [D, B*S], kept as is
-    dw = jnp.dot(xt, g.reshape(-1, g.shape[-1]).astype(x.dtype),
-                 preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
-
-
 def load_summary(load: jax.Array) -> dict:
     """expert_load [L, E] -> its max and min over all layers (expert_load_max / _min) and
     load_max_mean_ratio_max, the largest max/mean load of any layer (1 when balanced, E / k
@@ -441,14 +413,3 @@ def load_summary(load: jax.Array) -> dict:
     ratio = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-30)
     return {"expert_load_max": jnp.max(load), "expert_load_min": jnp.min(load),
             "load_max_mean_ratio_max": jnp.max(ratio)}
-
-
-@jax.named_scope("loss")
-def _cross_entropy(logits, targets, mask, tokens=None):
-    """Summed cross-entropy over mask's tokens / `tokens` (default: mask's own count)."""
-    # on [tokens, vocab]: XLA:CPU's loop fusions index a 3-D [B, S, V] array with a broadcast
-    # [B, S] row statistic markedly slower (docs/performance.md, Other ops of the step)
-    ce = optax.softmax_cross_entropy_with_integer_labels(
-        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-    return jnp.sum(ce * mask.reshape(-1)) / jnp.maximum(
-        jnp.sum(mask) if tokens is None else tokens, 1.0)

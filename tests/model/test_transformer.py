@@ -147,7 +147,7 @@ def test_causal_query_blocks_equal_one_block(kind):
 def test_lm_head_matmul_gradients_equal_autodiff(dtype):
     """lm_head_matmul's custom backward against autodiff of the same einsum (float32 logits);
     tolerance rtol 1e-5 in float32, 1e-2 in bfloat16 (one bf16 rounding of each gradient)."""
-    from maxmoe.model.transformer import lm_head_matmul
+    from maxmoe.kernels.lm_loss import lm_head_matmul
 
     x = jax.random.normal(jax.random.key(0), (2, 5, 8)).astype(dtype)
     w = jax.random.normal(jax.random.key(1), (8, 11)).astype(dtype)
