@@ -138,6 +138,11 @@ def _as_spec(axes: Sequence[tuple[str, ...]]) -> P:
     return P(*(ax if len(ax) > 1 else (ax[0] if ax else None) for ax in axes))
 
 
+def entry_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry (None, an axis name or a tuple of them) -> its mesh axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 # leading dims that lax.scan and the pipeline slice one layer / stage at a time: a storage axis
 # placed there would make every slice gather the whole stack
 STACK_AXES = ("layers", "stage")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from maxmoe.commands.bench import positive_int
+from maxmoe.commands.setup import set_cpu_devices
 from maxmoe.config import ConfigError
 
 USAGE = """\
@@ -105,7 +106,7 @@ def run(args) -> int:
     P.check_prompts(rows, args.max_new_tokens, P.max_positions(cfg, hf_config),
                     cfg.model.vocab_size)
     mesh = parse_mesh(args.mesh) if args.mesh else None
-    _set_cpu_devices(cfg)
+    set_cpu_devices(cfg)
     try:
         params = restore_params(ckpt, cfg)
     except ConversionError as e:
@@ -116,17 +117,6 @@ def run(args) -> int:
                            Sampling(args.temperature, args.top_p, args.seed), eos_id, pad_id)
     _report(out, ids, pad, tokenizer, args)
     return 0
-
-
-def _set_cpu_devices(cfg) -> None:
-    """The run's mesh.cpu_devices fake CPU devices, as train sets them (before JAX starts)."""
-    import jax  # late: keeps `maxmoe --help` free of JAX
-
-    if cfg.mesh.cpu_devices:
-        try:
-            jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
-        except RuntimeError:  # backend already started (embedded use): keep its devices
-            pass
 
 
 def _report(out, ids, pad, tokenizer, args) -> None:

@@ -16,13 +16,9 @@ def configure(items: list[str], reads_data: bool = False):
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
     cfg, origins = load_config(files, overrides)
+    set_cpu_devices(cfg)
     import jax  # late: keeps `maxmoe --help` free of JAX (every command module imports this)
 
-    if cfg.mesh.cpu_devices:
-        try:
-            jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
-        except RuntimeError:  # backend already started (e.g. embedded use): keep its devices
-            pass
     initialize(cfg.distributed)
     # late: imports the model (JAX, Flax); loaded once the device count and jax.distributed are set
     from maxmoe.validation import validate
@@ -30,3 +26,14 @@ def configure(items: list[str], reads_data: bool = False):
     sizes = validate(cfg, jax.device_count(), origins, jax.process_count(),
                      reads_data=reads_data)
     return cfg, sizes
+
+
+def set_cpu_devices(cfg) -> None:
+    """The config's mesh.cpu_devices fake CPU devices, set before JAX's backend starts."""
+    import jax  # late: keeps `maxmoe --help` free of JAX (every command module imports this)
+
+    if cfg.mesh.cpu_devices:
+        try:
+            jax.config.update("jax_num_cpu_devices", cfg.mesh.cpu_devices)
+        except RuntimeError:  # backend already started (e.g. embedded use): keep its devices
+            pass

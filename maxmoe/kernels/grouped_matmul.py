@@ -220,7 +220,7 @@ def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_d
             # accumulators whatever the dtype (no per-expert zero fill, add and copy-out)
             hw = (h * w).astype(x.dtype)
             if fp8 != "none":  # empty slots (weight 0: dgu, hw rows 0) out of the tile amax
-                xi, g = (jnp.where(w != 0, a, 0).astype(a.dtype) for a in (xi, g))
+                xi, g = (jnp.where(w != 0, a, 0) for a in (xi, g))
             gwgu = _mm(xi.T, dgu, fp8, b_tile=1)  # fp8: 128x1 tiles along the rows
             return (dx, drw, dwg.at[e].add(gwgu[:, :f]), dwu.at[e].add(gwgu[:, f:]),
                     dwd.at[e].add(_mm(hw.T, g, fp8, b_tile=1)))

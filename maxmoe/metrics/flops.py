@@ -236,13 +236,13 @@ def fp8_peak_flops(cfg: Config, bf16: tuple[float, str]) -> tuple[float, str]:
     return bf16[0], f"no fp8 peak known: the bf16 one ({bf16[1]})"
 
 
-def mfu_peak(cfg: Config, bf16: tuple[float, str] | None = None) -> tuple[float, str]:
+def mfu_peak(cfg: Config) -> tuple[float, str]:
     """(peak FLOP/s of all devices, how it was obtained) that a run's total FLOP/s is divided by
     for MFU_CONVENTION's MFU: effective_peak of the config's flops_by_precision over the bf16
-    peak (`bf16`, default peak_flops(cfg)) and fp8_peak_flops; with precision.fp8 none (or no
+    peak (peak_flops(cfg)) and fp8_peak_flops; with precision.fp8 none (or no
     FP8 peak known) exactly the bf16 peak. The training loop's MFU (and progress bar) uses it,
     so it counts as `maxmoe bench` (bench.mfu_figures) does."""
-    bf16 = bf16 or peak_flops(cfg)
+    bf16 = peak_flops(cfg)
     fp8 = fp8_peak_flops(cfg, bf16)
     peak = effective_peak(flops_by_precision(cfg), {"bf16": bf16[0], "fp8": fp8[0]})
     if cfg.precision.fp8 == "none":

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.kernels.fp8 import project
-from maxmoe.sharding import current_mesh, shard, spec
+from maxmoe.sharding import current_mesh, entry_axes, shard, spec
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float) -> nnx.Param:
@@ -88,7 +88,7 @@ def sharded_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
     if mesh is None or mesh.size == 1:
         return jnp.take(table, tokens, axis=0).astype(dtype)
     table_spec = spec(("vocab", "embed"), shape=table.shape)
-    vocab, embed = (_spec_axes(e) for e in table_spec)
+    vocab, embed = (entry_axes(e) for e in table_spec)
     tok_spec = spec(("batch", "seq"), shape=tokens.shape)
 
     @functools.partial(jax.shard_map, in_specs=(table_spec, tok_spec),
@@ -107,11 +107,6 @@ def sharded_lookup(table: jax.Array, tokens: jax.Array, dtype) -> jax.Array:
             x = jax.lax.all_to_all(x, embed, 0, 2, tiled=True)
         return x
     return body(table, tokens)
-
-
-def _spec_axes(entry) -> tuple[str, ...]:
-    """One PartitionSpec entry -> its mesh axes as a tuple."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 class MLP(nnx.Module):

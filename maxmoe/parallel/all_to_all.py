@@ -206,21 +206,18 @@ def _rounds_fwd(route, x, w, w_gate, w_up, w_down, *plan):
 
 
 def _rounds_bwd(route, res, gy):
+    """Gradients summed over rounds in float32, cast to each input's dtype once at the end:
+    summed in bf16, every round's add rounded to the running sum and the weight-gradient error
+    grew with the round count (docs/performance.md, Multi-round gradients). The float32
+    accumulators of the local expert weights are what the blocked kernel holds too (it sums
+    its weight gradients inside, `_blocked_round_grads`)."""
     x, w, w_gate, w_up, w_down, *plan = res
     *routing, rounds = plan
     diff = (x, w, w_gate, w_up, w_down)
-    if route.grouped_matmul == "blocked":  # weight gradients summed inside the kernel
-        grads = jax.lax.fori_loop(
-            0, rounds, lambda r, acc: _blocked_round_grads(route, r, acc, gy, *diff, *routing),
-            tuple(jnp.zeros(a.shape, jnp.float32) for a in diff))
-        return (*(g.astype(a.dtype) for g, a in zip(grads, diff, strict=True)),
-                *(None for _ in plan))
 
-    # gradients summed over rounds in float32, cast to each input's dtype once at the end:
-    # summed in bf16, every round's add rounded to the running sum and the weight-gradient
-    # error grew with the round count (docs/performance.md, Multi-round gradients). The
-    # float32 accumulators of the local expert weights are what the blocked kernel holds too.
     def step(r, acc):
+        if route.grouped_matmul == "blocked":
+            return _blocked_round_grads(route, r, acc, gy, *diff, *routing)
         _, vjp = jax.vjp(lambda *a: _one_round(route, r, *a, *routing), *diff)
         return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, vjp(gy), strict=True))
     grads = jax.lax.fori_loop(0, rounds, step,

@@ -53,6 +53,7 @@ from flax import nnx
 from maxmoe.model.spec import PipelineSchedule
 from maxmoe.sharding import (
     current_mesh,
+    entry_axes,
     mesh_axes,
     param_axes,
     shard,
@@ -117,11 +118,6 @@ def slot_permutes(table: list[list[int]], block: int) -> list[tuple[int, int, in
     return out
 
 
-def _axes(entry) -> tuple:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _entry(axes: tuple):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
@@ -151,10 +147,10 @@ def _stage_slots(a: jax.Array, source: tuple | None, table: list[list[int]]) -> 
     if not stage_axes:
         return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
     axis = _entry(tuple(stage_axes))
-    where = [d for d, entry in enumerate(pspec) if set(_axes(entry)) & set(stage_axes)]
+    where = [d for d, entry in enumerate(pspec) if set(entry_axes(entry)) & set(stage_axes)]
     run = functools.partial(jax.shard_map, in_specs=jax.sharding.PartitionSpec(*pspec),
                             check_vma=False)  # off as in parallel/experts.py (the vmap)
-    if where == [0] and _axes(pspec[0]) == tuple(stage_axes):
+    if where == [0] and entry_axes(pspec[0]) == tuple(stage_axes):
         return run(functools.partial(_permute_rows, table=table, axis=axis),
                    out_specs=jax.sharding.PartitionSpec(*pspec))(a)
     if pspec[0] is None and not where:
@@ -164,12 +160,12 @@ def _stage_slots(a: jax.Array, source: tuple | None, table: list[list[int]]) -> 
             return jnp.where(jnp.asarray(keep.reshape(*index.shape, *keep.shape[1:]))[q], mine, 0)
         return run(pick, out_specs=jax.sharding.PartitionSpec(axis, *pspec[1:]))(a)
     d = where[0] if len(where) == 1 else None
-    if pspec[0] is None and d and _axes(pspec[d])[-len(stage_axes):] == tuple(stage_axes):
+    if pspec[0] is None and d and entry_axes(pspec[d])[-len(stage_axes):] == tuple(stage_axes):
         def exchange(local):  # [L, ...], dim d a slice: send each stage its slots of it
             sent = jnp.where(keep, jnp.take(local, rows.reshape(-1), axis=0), 0)
             return jax.lax.all_to_all(sent, axis, 0, d, tiled=True)
         out = list(pspec)
-        out[0], out[d] = axis, _entry(_axes(pspec[d])[:-len(stage_axes)])
+        out[0], out[d] = axis, _entry(entry_axes(pspec[d])[:-len(stage_axes)])
         return run(exchange, out_specs=jax.sharding.PartitionSpec(*out))(a)
     return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
 
