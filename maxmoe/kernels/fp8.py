@@ -3,7 +3,10 @@ input gradient, weight gradient) all run on E4M3 operands with float32 accumulat
 
 Modes (precision.fp8):
 - `tensorwise`: one scale per operand tensor, *current* scaling (the amax of this very tensor,
-  taken when it is quantised; no amax history, so no scale state in the train state).
+  taken when it is quantised; no amax history, so no scale state in the train state). The
+  tensor is the whole logical one: under GSPMD jnp.max already spans every shard; inside
+  shard_map the grouped expert kernels reduce their amax over `AmaxAxes` (Transformer Engine's
+  amax reduction), so the scales, and the loss, do not depend on the layout.
 - `blockwise`: DeepSeek-V3's fine-grained recipe: activations and output gradients in 1x128
   tiles (per token, per 128 channels), weights in 128x128 blocks, and for the weight-gradient
   GEMM both operands in 128x1 tiles along the token dim. The contraction runs one 128-wide
@@ -19,6 +22,7 @@ attention core) is the model's business: it calls `project` at each projection.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -32,6 +36,38 @@ BLOCK = 128  # DeepSeek-V3's tile / block edge
 MODES = ("none", "tensorwise", "blockwise")
 
 
+@dataclasses.dataclass(frozen=True)
+class AmaxAxes:
+    """The mesh axes (manual, inside shard_map) over which a tensorwise amax is reduced so that
+    one scale covers the whole logical tensor: rows, the axes that split an activation (its
+    rows, or its F dim for the expert MLP's hidden); weights, the axes that split an expert
+    weight (its F dim). Empty: the local arrays are the whole tensors."""
+    rows: tuple[str, ...] = ()
+    weights: tuple[str, ...] = ()
+
+
+NO_AXES = AmaxAxes()
+
+
+def scale_of(amax: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+    """float32 scale(s) of an amax: amax / 448, 1 where it is 0; the amax first reduced (pmax)
+    over the manual mesh axes `axes`."""
+    amax = jax.lax.pmax(amax, axes) if axes else amax
+    return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+
+
+def quantize_with(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x / scale in E4M3, clipped to +-448 (scale broadcast against x)."""
+    return jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
+def tensorwise_matmul(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array) -> jax.Array:
+    """a [M, K] @ b [K, N] on E4M3 operands quantised with the given scalar scales sa, sb (the
+    scales of whole tensors that a and b are parts of), float32 result."""
+    return jnp.dot(quantize_with(a, sa), quantize_with(b, sb),
+                   preferred_element_type=jnp.float32) * (sa * sb)
+
+
 def quantize(x: jax.Array, tile: tuple[int, int] | None) -> tuple[jax.Array, jax.Array]:
     """x [M, N] -> (q [M, N] float8_e4m3fn, scale [ceil(M/r), ceil(N/c)] float32) for tiles of
     (r, c) elements (None: one tile, the whole tensor); x ~ q * scale of its tile. Partial
@@ -41,9 +77,8 @@ def quantize(x: jax.Array, tile: tuple[int, int] | None) -> tuple[jax.Array, jax
     mb, nb = -(-m // r), -(-n // c)
     xp = jnp.pad(x.astype(jnp.float32), ((0, mb * r - m), (0, nb * c - n)))
     tiles = xp.reshape(mb, r, nb, c)
-    amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q = jnp.clip(tiles / scale[:, None, :, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    scale = scale_of(jnp.max(jnp.abs(tiles), axis=(1, 3)))
+    q = quantize_with(tiles, scale[:, None, :, None])
     return q.reshape(mb * r, nb * c)[:m, :n], scale
 
 
@@ -69,9 +104,8 @@ def round_trip_row_tiles(x: jax.Array, tile: jax.Array, num_tiles: int) -> jax.A
     x = jnp.where(live, x.astype(jnp.float32), 0.0)
     amax = jax.ops.segment_max(jnp.abs(x), tile, num_segments=num_tiles + 1,  # [tiles + 1, N]
                                indices_are_sorted=True)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)[tile]
-    q = jnp.clip(x / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
-    return q.astype(jnp.float32) * scale
+    scale = scale_of(amax)[tile]
+    return quantize_with(x, scale).astype(jnp.float32) * scale
 
 
 def fp8_matmul(a: jax.Array, b: jax.Array, mode: str, b_tile: int = BLOCK) -> jax.Array:
@@ -115,9 +149,8 @@ def token_tiled_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
 def _quantize_along(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """x -> (q E4M3, scale float32 with axis kept at size 1): one scale per slice along
     axis, as quantize's tiles (amax / 448, 1 for all zeros)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    return jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
+    scale = scale_of(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True))
+    return quantize_with(x, scale), scale
 
 
 def _tile(mode: str, tile: tuple[int, int]) -> tuple[int, int] | None:
@@ -127,11 +160,12 @@ def _tile(mode: str, tile: tuple[int, int]) -> tuple[int, int] | None:
 
 
 def scaled_matmul(a: jax.Array, qb: jax.Array, sb: jax.Array, mode: str,
-                  b_tile: int = BLOCK) -> jax.Array:
+                  b_tile: int = BLOCK, axes: tuple[str, ...] = ()) -> jax.Array:
     """fp8_matmul with b already quantised (qb [K, N] E4M3, sb its scales in 128 x b_tile
-    blocks, or [1, 1] for tensorwise): a is quantised here. float32 [M, N]."""
+    blocks, or [1, 1] for tensorwise): a is quantised here (tensorwise: its amax reduced over
+    the mesh axes `axes`). float32 [M, N]."""
     if mode == "tensorwise":
-        qa, sa = quantize(a, None)
+        qa, sa = quantize_whole(a, axes)
         return jnp.dot(qa, qb, preferred_element_type=jnp.float32) * (sa[0, 0] * sb[0, 0])
     (m, k), n = a.shape, qb.shape[1]
     kb = -(-k // BLOCK)
@@ -149,6 +183,13 @@ def scaled_matmul(a: jax.Array, qb: jax.Array, sb: jax.Array, mode: str,
         part = jnp.dot(qa[:, i], qb[i], preferred_element_type=jnp.float32)
         return acc + part * sa[:, i, None] * sb[i][None, :]
     return jax.lax.fori_loop(0, kb, block, jnp.zeros((m, n), jnp.float32), unroll=kb <= 8)
+
+
+def quantize_whole(x: jax.Array, axes: tuple[str, ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """quantize(x, None) with the amax reduced (pmax) over the manual mesh axes `axes`, so the
+    scale is the whole tensor's: (q, scale [1, 1])."""
+    scale = scale_of(jnp.max(jnp.abs(x.astype(jnp.float32))), axes)
+    return quantize_with(x, scale), scale.reshape(1, 1)
 
 
 def _partitioned_devices() -> int:
@@ -170,34 +211,40 @@ def _sharded_but(x: jax.Array, dim: int) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*dims))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_dot(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def fp8_dot(x: jax.Array, w: jax.Array, mode: str, amax: AmaxAxes = NO_AXES) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in x.dtype, the forward on E4M3 operands and the
     backward's input gradient (g @ w^T: g in 1x128 tiles, w in the forward's 128x128 blocks)
     and weight gradient (x^T @ g: both in 128x1 tiles along the tokens) too; float32
     accumulation throughout (fp8_matmul). mode: tensorwise | blockwise.
     Residuals: the forward's quantised w and its scales (the input gradient reuses them, so
     the weight is quantised, and under FSDP gathered, once per step), and x itself (blockwise:
-    its token tiles differ from the forward's) or, tensorwise, x in E4M3 with its scale."""
-    return _fp8_dot_fwd(x, w, mode)[0]
+    its token tiles differ from the forward's) or, tensorwise, x in E4M3 with its scale.
+    amax: inside shard_map, the mesh axes a tensorwise amax spans (x and g: amax.rows; w:
+    amax.weights); under GSPMD the amax spans every shard already."""
+    return _fp8_dot_fwd(x, w, mode, amax)[0]
 
 
-def _fp8_dot_fwd(x, w, mode):
+def _fp8_dot_fwd(x, w, mode, amax):
     x2 = x.reshape(-1, x.shape[-1])
-    qw, sw = quantize(w, _tile(mode, (BLOCK, BLOCK)))
-    y = scaled_matmul(x2, qw, sw, mode).astype(x.dtype).reshape(*x.shape[:-1], w.shape[1])
-    xres = quantize(x2, None) if mode == "tensorwise" else x2
+    if mode == "tensorwise":
+        qw, sw = quantize_whole(w, amax.weights)
+    else:
+        qw, sw = quantize(w, (BLOCK, BLOCK))
+    y = scaled_matmul(x2, qw, sw, mode, axes=amax.rows)
+    y = y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[1])
+    xres = quantize_whole(x2, amax.rows) if mode == "tensorwise" else x2
     # zero-size arrays carry the dtypes (residuals must be arrays)
     return y, (xres, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _fp8_dot_bwd(mode, res, g):
+def _fp8_dot_bwd(mode, amax, res, g):
     xres, qw, sw, xdt, wdt = res
     g2 = g.reshape(-1, g.shape[-1])
-    dx = scaled_matmul(g2, qw.T, sw.T, mode)
+    dx = scaled_matmul(g2, qw.T, sw.T, mode, axes=amax.rows)
     if mode == "tensorwise":
         qx, sx = xres
-        qg, sg = quantize(g2, None)
+        qg, sg = quantize_whole(g2, amax.rows)
         dw = jnp.dot(qx.T, qg, preferred_element_type=jnp.float32) * (sx[0, 0] * sg[0, 0])
     else:
         dw = fp8_matmul(xres.T, g2, mode, b_tile=1)

@@ -11,16 +11,27 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from maxmoe.kernels.fp8 import fp8_matmul, quantize, round_trip_row_tiles
+from maxmoe.kernels.fp8 import (
+    NO_AXES,
+    AmaxAxes,
+    fp8_matmul,
+    quantize,
+    quantize_with,
+    round_trip_row_tiles,
+    scale_of,
+    tensorwise_matmul,
+)
 from maxmoe.sharding import mesh_platform
 
 
 def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *,
-                   grouped_matmul: str = "auto", block_size: int = 0, fp8: str = "none"):
+                   grouped_matmul: str = "auto", block_size: int = 0, fp8: str = "none",
+                   amax: AmaxAxes = NO_AXES):
     """Runs experts [first_expert, first_expert + El) on the tokens routed to them.
 
     x [..., D] (T rows once flattened); expert_idx, weights [T, K] (global expert ids);
@@ -33,6 +44,7 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     sharding.mesh_platform).
     fp8: precision.fp8; tensorwise / blockwise run the expert GEMMs on E4M3 operands
     (kernels/fp8.py; ragged_dot: `fp8_ragged_dot`, blocked: inside `block_expert_mlp`).
+    amax: the mesh axes a tensorwise amax spans (kernels/fp8.AmaxAxes; the caller's shard_map).
     """
     grouped_matmul = resolve_kernel(grouped_matmul)
     k, num_local = expert_idx.shape[1], w_gate.shape[0]
@@ -42,7 +54,8 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
             token, row_weight, bounds = blocked_rows(expert_idx, weights, first_expert,
                                                      num_local, block_size)
         with scope("grouped_matmul"):  # gathers, weights and scatters block by block itself
-            return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8)
+            return block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8,
+                                    amax)
     with scope("dispatch"):  # ragged_dot
         _, order, sizes = _by_expert(expert_idx, first_expert, num_local)
         x = x.reshape(-1, x.shape[-1])
@@ -52,7 +65,7 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         def mm(a, w):
             if fp8 == "none":
                 return jax.lax.ragged_dot(a, w, sizes)
-            return fp8_ragged_dot(a, w, sizes, fp8)
+            return fp8_ragged_dot(a, w, sizes, fp8, amax)
         h = jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up)
         out = mm(h, w_down).astype(jnp.float32)
     with scope("combine"):
@@ -119,8 +132,9 @@ def _stable_argsort(key, num_keys: int):
     return jnp.sort(key.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)) % n
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="none"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="none",
+                     amax=NO_AXES):
     """Dispatch, SwiGLU expert MLP and weighted combine over row blocks grouped by expert:
     y[t] = sum over slots j with token[j] = t of row_weight[j] * expert_e(x[t]) for every
     slot of blocks bounds[e]:bounds[e+1] (expert e), expert_e(v) = (silu(v @ Wg[e]) *
@@ -141,43 +155,155 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="no
     rowsum(dL/d(weighted h) * h). Why this shape and not ragged_dot or a batched matmul:
     docs/performance.md, Grouped matmul.
     fp8 (precision.fp8): tensorwise / blockwise run every matmul of a step on E4M3 operands
-    (kernels/fp8.fp8_matmul; gate and up quantised apart; the weight gradients' token tiles
-    are the step's rows, 128 at a time, empty slots zeroed so they count in no tile's amax;
-    tensorwise scales per step and per expert weight).
+    (kernels/fp8.py; gate and up quantised apart; the weight gradients' token tiles are the
+    step's rows, 128 at a time, empty slots zeroed so they count in no tile's amax).
+    Tensorwise takes one scale per operand tensor over every routed row of every expert
+    (`Scales`, a first pass over the blocks for the hidden and d[gate | up]), reduced over
+    the mesh axes of `amax` (kernels/fp8.AmaxAxes), and one per expert weight.
     """
-    return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8)[0]
+    return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8,
+                                 amax)[0]
 
 
-def _mm(a, b, fp8: str, b_tile: int = 128):
-    """a @ b with float32 accumulation: a plain dot (fp8 none) or fp8_matmul."""
-    if fp8 == "none":
-        return jnp.dot(a, b, preferred_element_type=jnp.float32)
-    return fp8_matmul(a, b, fp8, b_tile)
+class Scales(NamedTuple):
+    """The blocked kernel's tensorwise scales (float32), each over the whole tensor: x (the
+    routed rows), h (the hidden, the down projection's input); in the backward (1 in the
+    forward) g and dgu (the down projection's output cotangent, router weight times the
+    output's, and d[gate | up]); wg, wu, wd [E], one per expert weight."""
+    x: jax.Array
+    h: jax.Array
+    g: jax.Array
+    dgu: jax.Array
+    wg: jax.Array
+    wu: jax.Array
+    wd: jax.Array
 
 
-def _gate_up(v, wgu, f: int, fp8: str):
-    """v @ [Wg | Wu] in v's dtype; under fp8 the two weights are quantised apart."""
-    if fp8 == "none":
-        return v @ wgu
-    return jnp.concatenate([_mm(v, wgu[:, :f], fp8), _mm(v, wgu[:, f:], fp8)], 1).astype(v.dtype)
+class _Expert:
+    """Expert e's matmuls in the kernel's precision: fp8 none (plain dots), blockwise
+    (fp8_matmul's tiles) or tensorwise (with the given Scales)."""
+
+    def __init__(self, e, w_gate, w_up, w_down, fp8: str, sc: Scales | None):
+        self.wgu = jnp.concatenate([w_gate[e], w_up[e]], axis=1)
+        self.wd, self.f, self.fp8, self.sc, self.e = w_down[e], w_down.shape[1], fp8, sc, e
+
+    def _mm(self, a, sa, b, sb, b_tile: int = 128):
+        """a @ b with float32 accumulation; sa, sb: names of the operands' Scales fields."""
+        if self.fp8 == "none":
+            return jnp.dot(a, b, preferred_element_type=jnp.float32)
+        if self.fp8 == "tensorwise":
+            sa, sb = getattr(self.sc, sa), getattr(self.sc, sb)
+            return tensorwise_matmul(a, sa if sa.ndim == 0 else sa[self.e],
+                                     b, sb if sb.ndim == 0 else sb[self.e])
+        return fp8_matmul(a, b, self.fp8, b_tile)
+
+    def gate_up(self, v):
+        """v @ [Wg | Wu] in v's dtype; under fp8 the two weights are quantised apart."""
+        f = self.f
+        if self.fp8 == "none":
+            return v @ self.wgu
+        return jnp.concatenate([self._mm(v, "x", self.wgu[:, :f], "wg"),
+                                self._mm(v, "x", self.wgu[:, f:], "wu")], 1).astype(v.dtype)
+
+    def down(self, h):
+        return self._mm(h, "h", self.wd, "wd")
+
+    def backward_rows(self, xi, g, w):
+        """One step's rows back to d[gate | up], from rows xi, output cotangents g (xi's
+        dtype) and router weights w [rows, 1]: (h float32, the down weight gradient's operands
+        (lhs rows, rhs rows), d row weight [rows], dgu in xi's dtype). fp8 none: g @ Wd^T once
+        gives dh / w and the row weight's gradient (rowsum(g @ Wd^T * h)). Under FP8 the
+        down projection's output cotangent w g is quantised (as the ragged kernel's autodiff
+        and the all-to-all senders do) and the row weight's gradient is rowsum(g * output)
+        with the output recomputed: the identity does not hold for quantised operands."""
+        f = self.f
+        gu = self.gate_up(xi).astype(jnp.float32)
+        gate, up = gu[:, :f], gu[:, f:]
+        sig = jax.nn.sigmoid(gate)
+        act = gate * sig  # silu
+        h = act * up
+        if self.fp8 == "none":
+            dhw = self._mm(g, "g", self.wd.T, "wd")
+            dh, drw, down = dhw * w, jnp.sum(dhw * h, axis=1), ((h * w).astype(xi.dtype), g)
+        else:
+            gw = (g * w).astype(xi.dtype)
+            dh = self._mm(gw, "g", self.wd.T, "wd")
+            out = self.down(h.astype(xi.dtype))
+            drw, down = jnp.sum(g.astype(jnp.float32) * out, axis=1), (h.astype(xi.dtype), gw)
+        dgate = dh * up * (sig * (1 + gate * (1 - sig)))  # d silu = sig (1 + x (1 - sig))
+        return h, down, drw, jnp.concatenate([dgate, dh * act], axis=1).astype(xi.dtype)
+
+    def input_grad(self, dgu):
+        f = self.f
+        if self.fp8 == "none":
+            return self._mm(dgu, "dgu", self.wgu.T, "wg")
+        return (self._mm(dgu[:, :f], "dgu", self.wgu[:, :f].T, "wg")
+                + self._mm(dgu[:, f:], "dgu", self.wgu[:, f:].T, "wu"))
+
+    def weight_grads(self, xi, dgu, down):
+        """(d[Wg | Wu], d Wd) of one step's rows (down: backward_rows' operands); fp8: 128x1
+        tiles along the rows."""
+        return self._mm(xi.T, "x", dgu, "dgu", 1), self._mm(down[0].T, "h", down[1], "g", 1)
 
 
-def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="none"):
+def _scales(x, token, row_weight, w_gate, w_up, w_down, bounds, amax: AmaxAxes,
+            gy=None) -> Scales:
+    """The tensorwise Scales of block_expert_mlp's forward (gy None) or backward (gy [T, D]
+    the output cotangent): amaxes over the slots in use (row weight != 0), the hidden and
+    d[gate | up] from a pass over the blocks, each reduced over `amax`'s axes."""
+    x = x.reshape(-1, x.shape[-1])
+    flat = token.reshape(-1)
+    # per token, the largest router weight of its slots (0: routed nowhere, as empty slots)
+    wmax = jnp.zeros(x.shape[0], jnp.float32).at[flat].max(
+        jnp.abs(row_weight.reshape(-1)).astype(jnp.float32))
+    row_max = lambda a: jnp.max(jnp.abs(a.astype(jnp.float32)), axis=1)  # noqa: E731
+    x_max = jnp.max(jnp.where(wmax > 0, row_max(x), 0.0))
+    one = jnp.ones((), jnp.float32)
+    g = one
+    if gy is not None:  # amax of the slots' w g: monotone rounding, so max w times max |g|
+        g_max = jnp.max(wmax * row_max(gy.astype(x.dtype))).astype(x.dtype)
+        g = scale_of(g_max.astype(jnp.float32), amax.rows)
+    sc = Scales(scale_of(x_max, amax.rows), one, g, one,
+                *(scale_of(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), amax.weights)
+                  for w in (w_gate, w_up, w_down)))
+
+    def expert(e, acc):
+        ex = _Expert(e, w_gate, w_up, w_down, "tensorwise", sc)
+
+        def block(i, m, acc):
+            tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None]
+            if gy is None:
+                gu = ex.gate_up(x[tok])
+                h, dgu_max = jax.nn.silu(gu[:, :ex.f]) * gu[:, ex.f:], acc[1]
+            else:
+                h, _, _, dgu = ex.backward_rows(x[tok], gy[tok].astype(x.dtype), w)
+                dgu_max = jnp.maximum(acc[1], jnp.max(jnp.abs(dgu.astype(jnp.float32))))
+            h = jnp.where(w != 0, h.astype(x.dtype).astype(jnp.float32), 0.0)
+            return jnp.maximum(acc[0], jnp.max(jnp.abs(h))), dgu_max
+        return _over_blocks(bounds[e], bounds[e + 1], block, acc)
+    h_max, dgu_max = jax.lax.fori_loop(0, w_down.shape[0], expert, (0 * one, 0 * one))
+    return sc._replace(h=scale_of(h_max, amax.rows),
+                       dgu=one if gy is None else scale_of(dgu_max, amax.rows))
+
+
+def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="none",
+                          amax=NO_AXES):
     x, token, row_weight, w_gate, w_up, w_down, bounds = (
         jnp.asarray(a) for a in (x, token, row_weight, w_gate, w_up, w_down, bounds))
     res = (x, token, row_weight, w_gate, w_up, w_down, bounds)
+    sc = _scales(*res, amax) if fp8 == "tensorwise" else None
     x = x.reshape(-1, x.shape[-1])
-    f = w_down.shape[1]
 
     def expert(e, carry):
-        wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
+        ex = _Expert(e, w_gate, w_up, w_down, fp8, sc)
 
         def block(i, m, y):
             tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None]
-            gu = _gate_up(x[tok], wgu, f, fp8)
-            h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
-            hw = (h * w).astype(x.dtype)
-            return y.at[tok].add(_mm(hw, wd, fp8))
+            gu = ex.gate_up(x[tok])
+            h = jax.nn.silu(gu[:, :ex.f]) * gu[:, ex.f:]
+            # the router weight applies to the output, as in the ragged kernel and the
+            # all-to-all transport (whose senders weight): every path quantises the same h
+            return y.at[tok].add(ex.down(h.astype(x.dtype)) * w)
         return _over_blocks(bounds[e], bounds[e + 1], block, carry)
     y = jax.lax.fori_loop(0, w_down.shape[0], expert,
                           jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32))
@@ -185,54 +311,43 @@ def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp
 
 
 def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_down, bounds,
-                                fp8="none"):
+                                fp8="none", amax=NO_AXES):
     """block_expert_mlp's backward into float32 accumulators acc = (dx [T, D], d row_weight
     [N, bs], d w_gate, d w_up, d w_down) (their shapes as the inputs'): returns acc with the
-    gradients added (d row_weight: set for the blocks in use, the rest kept). gy [T, D]: the output's cotangent. A caller that runs the kernel several
-    times on the same weights (parallel/all_to_all.py's rounds) sums the weight gradients here,
-    in place, instead of in a second weight-sized buffer."""
+    gradients added (d row_weight: set for the blocks in use, the rest kept). gy [T, D]: the
+    output's cotangent. A caller that runs the kernel several times on the same weights
+    (parallel/all_to_all.py's rounds) sums the weight gradients here, in place, instead of in
+    a second weight-sized buffer."""
     x, gy = x.reshape(-1, x.shape[-1]), jnp.asarray(gy)
-    f = w_down.shape[1]
+    sc = (_scales(x, token, row_weight, w_gate, w_up, w_down, bounds, amax, gy)
+          if fp8 == "tensorwise" else None)
 
     def expert(e, carry):
-        wgu, wd = jnp.concatenate([w_gate[e], w_up[e]], axis=1), w_down[e]
+        ex = _Expert(e, w_gate, w_up, w_down, fp8, sc)
 
         def block(i, m, carry):
             dx, drw, dwg, dwu, dwd = carry
             tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None].astype(jnp.float32)
-            g = gy[tok].astype(x.dtype)
-            xi = x[tok]
-            gu = _gate_up(xi, wgu, f, fp8).astype(jnp.float32)
-            gate, up = gu[:, :f], gu[:, f:]
-            sig = jax.nn.sigmoid(gate)
-            act = gate * sig  # silu
-            h = act * up
-            dhw = _mm(g, wd.T, fp8)  # d(weighted h)
-            drw = jax.lax.dynamic_update_slice_in_dim(
-                drw, jnp.sum(dhw * h, axis=1).reshape(m, -1), i, 0)
-            dh = dhw * w
-            dgate = dh * up * (sig * (1 + gate * (1 - sig)))  # d silu = sig (1 + x (1 - sig))
-            dgu = jnp.concatenate([dgate, dh * act], axis=1).astype(x.dtype)
-            dx = dx.at[tok].add(_mm(dgu, wgu.T, fp8) if fp8 == "none" else
-                                _mm(dgu[:, :f], wgu[:, :f].T, fp8)
-                                + _mm(dgu[:, f:], wgu[:, f:].T, fp8))
+            g, xi = gy[tok].astype(x.dtype), x[tok]
+            _, down, drw_rows, dgu = ex.backward_rows(xi, g, w)
+            drw = jax.lax.dynamic_update_slice_in_dim(drw, drw_rows.reshape(m, -1), i, 0)
+            dx = dx.at[tok].add(ex.input_grad(dgu))
             # weight gradients sum over many blocks: added in place into float32 [E, ...]
             # accumulators whatever the dtype (no per-expert zero fill, add and copy-out)
-            hw = (h * w).astype(x.dtype)
-            if fp8 != "none":  # empty slots (weight 0: dgu, hw rows 0) out of the tile amax
-                xi, g = (jnp.where(w != 0, a, 0) for a in (xi, g))
-            gwgu = _mm(xi.T, dgu, fp8, b_tile=1)  # fp8: 128x1 tiles along the rows
-            return (dx, drw, dwg.at[e].add(gwgu[:, :f]), dwu.at[e].add(gwgu[:, f:]),
-                    dwd.at[e].add(_mm(hw.T, g, fp8, b_tile=1)))
+            if fp8 != "none":  # empty slots (weight 0: dgu, w g rows 0) out of the tile amax
+                xi, down = jnp.where(w != 0, xi, 0), (jnp.where(w != 0, down[0], 0), down[1])
+            gwgu, gwd = ex.weight_grads(xi, dgu, down)
+            return (dx, drw, dwg.at[e].add(gwgu[:, :ex.f]), dwu.at[e].add(gwgu[:, ex.f:]),
+                    dwd.at[e].add(gwd))
         return _over_blocks(bounds[e], bounds[e + 1], block, carry)
     return jax.lax.fori_loop(0, w_down.shape[0], expert, tuple(acc))
 
 
-def _block_expert_mlp_bwd(fp8, res, gy):
+def _block_expert_mlp_bwd(fp8, amax, res, gy):
     x, token, row_weight, w_gate, w_up, w_down, bounds = res
     zeros = tuple(jnp.zeros((math.prod(x.shape[:-1]), x.shape[-1]) if a is x else a.shape,
                             jnp.float32) for a in (x, row_weight, w_gate, w_up, w_down))
-    dx, drw, dwg, dwu, dwd = block_expert_mlp_accumulate(zeros, gy, *res, fp8)
+    dx, drw, dwg, dwu, dwd = block_expert_mlp_accumulate(zeros, gy, *res, fp8, amax)
     return (dx.astype(x.dtype).reshape(x.shape), None, drw.astype(row_weight.dtype),
             dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype), dwd.astype(w_down.dtype), None)
 
@@ -258,29 +373,42 @@ def _over_blocks(lo, hi, body, carry):
     return jax.lax.fori_loop(lo + n * GROUP, hi, lambda i, c: body(i, 1, c), carry)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def fp8_ragged_dot(x, w, sizes, mode: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fp8_ragged_dot(x, w, sizes, mode: str, amax: AmaxAxes = NO_AXES):
     """lax.ragged_dot(x [M, K], w [G, K, N], sizes [G]) -> [M, N] in x.dtype with E4M3
-    operands (mode tensorwise: one scale for x, one per expert weight; blockwise: x in 1x128
-    tiles, each expert's weight in 128x128 blocks, one 128-wide K block per ragged_dot, the
-    partials scaled and summed in float32). The input gradient runs the same on g and w^T. The
-    weight gradient quantises x and g along the tokens (128x1 tiles from each expert's first
-    row, never spanning two experts; tensorwise: one scale; rows past sum(sizes) count in no
-    amax) but contracts their dequantised float32 values (autodiff's ragged transpose of
-    ragged_dot): the same values as an FP8 GEMM, not its speed."""
-    return _ragged_fp8(x, w, sizes, mode).astype(x.dtype)
+    operands (mode tensorwise: one scale for x over its sum(sizes) live rows and one per expert
+    weight, reduced over amax's mesh axes; blockwise: x in 1x128 tiles, each expert's weight in
+    128x128 blocks, one 128-wide K block per ragged_dot, the partials scaled and summed in
+    float32). The input gradient runs the same on g and w^T. The weight gradient quantises x
+    and g along the tokens (blockwise: 128x1 tiles from each expert's first row, never spanning
+    two experts; tensorwise: one scale each; rows past sum(sizes) count in no amax) but
+    contracts their dequantised float32 values (autodiff's ragged transpose of ragged_dot):
+    the same values as an FP8 GEMM, not its speed."""
+    return _ragged_fp8(x, w, sizes, mode, amax).astype(x.dtype)
 
 
-def _ragged_fp8(x, w, sizes, mode):
+def _live_rows(m: int, sizes):
+    """[M, 1] bool: the rows ragged_dot reads (those before sum(sizes))."""
+    return (jnp.arange(m) < jnp.sum(sizes))[:, None]
+
+
+def _whole_scale(a, axes: tuple[str, ...]):
+    """One tensorwise scale of a (float32), its amax reduced over the mesh axes `axes`."""
+    return scale_of(jnp.max(jnp.abs(a.astype(jnp.float32))), axes)
+
+
+def _ragged_fp8(x, w, sizes, mode, amax):
     """fp8_ragged_dot's product, float32 [M, N]."""
     m, (g, _, n) = x.shape[0], w.shape
     group = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(m), side="right"), g - 1)
-    tile = None if mode == "tensorwise" else (1, 128)
-    qx, sx = quantize(x, tile)
-    qw, sw = jax.vmap(lambda a: quantize(a, None if tile is None else (128, 128)))(w)
     dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)  # noqa: E731
     if mode == "tensorwise":
-        return dot(qx, qw) * sx[0, 0] * sw[group, 0, 0][:, None]
+        sx = _whole_scale(jnp.where(_live_rows(m, sizes), x, 0), amax.rows)
+        sw = scale_of(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), amax.weights)
+        return dot(quantize_with(x, sx), quantize_with(w, sw[:, None, None])) * (
+            sx * sw[group][:, None])
+    qx, sx = quantize(x, (1, 128))
+    qw, sw = jax.vmap(lambda a: quantize(a, (128, 128)))(w)
     sw = jnp.repeat(sw, 128, axis=2)[:, :, :n]  # [G, KB, N]
     y = jnp.zeros((m, n), jnp.float32)
     for i in range(sx.shape[1]):  # K blocks: a static, short loop (K / 128)
@@ -289,32 +417,39 @@ def _ragged_fp8(x, w, sizes, mode):
     return y
 
 
-def _fp8_ragged_fwd(x, w, sizes, mode):
-    return fp8_ragged_dot(x, w, sizes, mode), (x, w, sizes)
+def _fp8_ragged_fwd(x, w, sizes, mode, amax):
+    return fp8_ragged_dot(x, w, sizes, mode, amax), (x, w, sizes)
 
 
-def _fp8_ragged_bwd(mode, res, g):
+def _fp8_ragged_bwd(mode, amax, res, g):
     x, w, sizes = res
-    dx = _ragged_fp8(g, jnp.swapaxes(w, 1, 2), sizes, mode).astype(x.dtype)
-    tile, num_tiles = _token_tiles(x.shape[0], sizes, mode)
-    xd, gd = (round_trip_row_tiles(a, tile, num_tiles) for a in (x, g))
+    dx = _ragged_fp8(g, jnp.swapaxes(w, 1, 2), sizes, mode, amax).astype(x.dtype)
+    if mode == "tensorwise":
+        live = _live_rows(x.shape[0], sizes)
+
+        def round_trip(a):
+            a = jnp.where(live, a.astype(jnp.float32), 0.0)
+            s = _whole_scale(a, amax.rows)
+            return quantize_with(a, s).astype(jnp.float32) * s
+        xd, gd = round_trip(x), round_trip(g)
+    else:
+        tile, num_tiles = _token_tiles(x.shape[0], sizes)
+        xd, gd = (round_trip_row_tiles(a, tile, num_tiles) for a in (x, g))
     _, pull = jax.vjp(lambda v: jax.lax.ragged_dot(xd, v, sizes,
                                                   preferred_element_type=jnp.float32),
                       w.astype(jnp.float32))
     return dx, pull(gd)[0].astype(w.dtype), None
 
 
-def _token_tiles(m: int, sizes, mode: str):
-    """(tile [M] int, num_tiles) of the weight gradient's token tiles over the grouped rows
-    (kernels/fp8.round_trip_row_tiles): blockwise, 128 rows at a time from each group's first
-    row (a tile never spans two experts); tensorwise, one tile. Rows past sum(sizes) (other
-    shards' rows, which ragged_dot skips) get num_tiles: they count in no tile's amax."""
+def _token_tiles(m: int, sizes):
+    """(tile [M] int, num_tiles) of the blockwise weight gradient's 128x1 token tiles over the
+    grouped rows (kernels/fp8.round_trip_row_tiles): 128 rows at a time from each group's
+    first row (a tile never spans two experts). Rows past sum(sizes) (other shards' rows,
+    which ragged_dot skips) get num_tiles: they count in no tile's amax."""
     ends = jnp.cumsum(sizes)
     row = jnp.arange(m)
     group = jnp.searchsorted(ends, row, side="right")  # len(sizes) past the last group
     live = group < sizes.shape[0]
-    if mode == "tensorwise":
-        return jnp.where(live, 0, 1), 1
     group = jnp.minimum(group, sizes.shape[0] - 1)
     per_group = (sizes + 127) // 128
     first = jnp.cumsum(per_group) - per_group  # each group's first tile

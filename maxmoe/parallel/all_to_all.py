@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes
 from maxmoe.kernels.grouped_matmul import (
     _stable_argsort,
     block_expert_mlp,
@@ -45,6 +46,7 @@ class Route:
     block_size: int
     groups: tuple[tuple[int, ...], ...] | None = None
     fp8: str = "none"  # precision.fp8 of the expert GEMMs (kernels/fp8.py)
+    amax: AmaxAxes = NO_AXES  # the axes a tensorwise amax spans (each round scales apart)
 
     def member(self):
         """This device's index in its exchange group (int32)."""
@@ -150,7 +152,7 @@ def _one_round(route: Route, r, x, w, w_gate, w_up, w_down, *routing):
     ones = jnp.ones((n * cap, 1), jnp.float32)  # router weights are applied by the sender
     out = dropless_local(rows, ids, ones, w_gate, w_up, w_down, 0,
                          grouped_matmul=route.grouped_matmul, block_size=route.block_size,
-                         fp8=route.fp8)
+                         fp8=route.fp8, amax=route.amax)
     with jax.named_scope("combine"):
         # outputs travel back in the compute dtype; weighted and summed in float32
         back = exchange_slots(route, out.astype(x.dtype).reshape(n, cap, -1), recv_sizes,
@@ -170,7 +172,8 @@ def _blocked_round_grads(route: Route, r, acc, gy, x, w, w_gate, w_up, w_down, *
     valid, a, send_sizes, recv_sizes, rows, ids = _send(route, r, x, *routing)
     ones = jnp.ones((n * cap, 1), jnp.float32)
     plan = blocked_rows(ids, ones, 0, route.num_local, route.block_size)
-    out = block_expert_mlp(rows, plan[0], plan[1], w_gate, w_up, w_down, plan[2], route.fp8)
+    out = block_expert_mlp(rows, plan[0], plan[1], w_gate, w_up, w_down, plan[2], route.fp8,
+                           route.amax)
     back = move_slots(route, out.astype(x.dtype).reshape(n, cap, -1), recv_sizes, send_sizes, 0)
     g = gy[a // k]  # [n, cap, D] float32
     dw = dw.at[a].add(jnp.where(valid, jnp.sum(g * back.astype(jnp.float32), -1), 0.0))
@@ -179,7 +182,7 @@ def _blocked_round_grads(route: Route, r, acc, gy, x, w, w_gate, w_up, w_down, *
     zeros = (jnp.zeros(rows.shape, jnp.float32), jnp.zeros(plan[1].shape, jnp.float32))
     g_rows, _, *dweights = block_expert_mlp_accumulate(
         (*zeros, *dweights), g_out.reshape(n * cap, -1), rows, *plan[:2], w_gate, w_up,
-        w_down, plan[2], route.fp8)
+        w_down, plan[2], route.fp8, route.amax)
     g_send = move_slots(route, g_rows.astype(x.dtype).reshape(n, cap, -1), recv_sizes,
                         send_sizes, 0)
     dx = dx.at[a // k].add(jnp.where(valid[..., None], g_send.astype(jnp.float32), 0.0))

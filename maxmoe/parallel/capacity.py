@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.config import MoEConfig
-from maxmoe.kernels.fp8 import fp8_dot
+from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes, fp8_dot
 from maxmoe.parallel.dispatch import Dispatched, Dispatcher, ExpertShards
 from maxmoe.sharding import current_mesh
 
@@ -55,14 +55,16 @@ def capacity_for(seq_len: int, cfg: MoEConfig) -> int:
 
 
 def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
-                      seq_len: int, exchange=None, fp8: str = "none"):
+                      seq_len: int, exchange=None, fp8: str = "none",
+                      amax: AmaxAxes = NO_AXES):
     """Capacity-bounded experts for local tokens x [T, D], T = whole sequences of seq_len
     tokens (row-major). exchange(buf, inverse) moves [E, C, D] buffers between expert shards
     (all-to-all); None = all experts are local.
 
     Each sequence ranks its own assignments (capacity_slots) into capacity_for(seq_len) slots
     per expert; C = sequences x that. Returns ([T, D] float32, number of dropped assignments).
-    fp8: precision.fp8 of the expert GEMMs (each expert's slots through kernels/fp8.fp8_dot).
+    fp8: precision.fp8 of the expert GEMMs (each expert's slots through kernels/fp8.fp8_dot;
+    tensorwise: one scale per expert's slot buffer, its amax reduced over amax's axes).
     """
     t, d = x.shape
     num_experts, k = cfg.num_experts, expert_idx.shape[-1]
@@ -80,8 +82,8 @@ def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConf
         if exchange is not None:
             buf = exchange(buf, inverse=False)  # [E, C, D] -> [ep, El, C, D] received
     with jax.named_scope("grouped_matmul"):
-        h = jax.nn.silu(_per_expert(buf, w_gate, fp8)) * _per_expert(buf, w_up, fp8)
-        out = _per_expert(h, w_down, fp8)
+        h = jax.nn.silu(_per_expert(buf, w_gate, fp8, amax)) * _per_expert(buf, w_up, fp8, amax)
+        out = _per_expert(h, w_down, fp8, amax)
     with jax.named_scope("combine"):
         if exchange is not None:
             out = exchange(out, inverse=True)
@@ -102,24 +104,29 @@ class Capacity(Dispatcher):
     def __call__(self, x, expert_idx, weights, w_gate, w_up, w_down) -> Dispatched:
         cfg, shards = self.cfg, self.shards
         x = x.reshape(-1, x.shape[-1])
+        # per-expert scales: not reduced over the expert axes, whose shards hold other experts
+        amax = AmaxAxes(tuple(a for a in self.amax.rows if a not in shards.axes),
+                        self.amax.weights)
         if any(a not in shards.gathered for a in shards.axes):
             # tokens replicated over some expert axes: every shard keeps its own experts' slots
             first = shards.first_expert(w_gate.shape[0])
             y, dropped = capacity_dispatch(x, expert_idx, weights,
                                            *_padded_local(w_gate, w_up, w_down, first, cfg), cfg,
-                                           self.seq_len, fp8=self.fp8)
+                                           self.seq_len, fp8=self.fp8, amax=amax)
         else:
             exchange = _slot_exchange(shards.gathered) if shards.gathered else None
             y, dropped = capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg,
-                                           self.seq_len, exchange=exchange, fp8=self.fp8)
+                                           self.seq_len, exchange=exchange, fp8=self.fp8,
+                                           amax=amax)
         return Dispatched(y, jnp.asarray(dropped, jnp.int32), jnp.ones((), jnp.int32))
 
 
-def _per_expert(buf, w, fp8: str):
+def _per_expert(buf, w, fp8: str, amax: AmaxAxes):
     """Slot buffers [..., E, C, In] @ expert weights [E, In, Out] -> [..., E, C, Out]."""
     if fp8 == "none":
         return jnp.einsum("...cd,...df->...cf", buf, w)
-    return jax.vmap(lambda b, we: fp8_dot(b, we, fp8), in_axes=(-3, 0), out_axes=-3)(buf, w)
+    return jax.vmap(lambda b, we: fp8_dot(b, we, fp8, amax), in_axes=(-3, 0), out_axes=-3)(
+        buf, w)
 
 
 def _slot_exchange(axes):

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.config import Config, MoEConfig
+from maxmoe.kernels.fp8 import NO_AXES
 from maxmoe.kernels.grouped_matmul import dropless_local, resolve_kernel
 from maxmoe.parallel.all_to_all import Route, exchange_rounds, plan_rounds
 from maxmoe.sharding import mesh_platform
@@ -158,6 +159,7 @@ class Dispatched(NamedTuple):
 class Dispatcher:
     """Base: cfg (the MoE config) and shards (this device's place on the expert axes)."""
     fp8 = "none"  # precision.fp8 of the expert GEMMs (kernels/fp8.py), set by routed_experts
+    amax = NO_AXES  # the mesh axes a tensorwise amax spans (kernels/fp8.AmaxAxes), likewise
 
     def __init__(self, cfg: MoEConfig, shards: ExpertShards | None = None):
         self.cfg, self.shards = cfg, shards or ExpertShards()
@@ -182,7 +184,7 @@ class AllGather(Dispatcher):
                                       for a in (x, expert_idx, weights))
         y = dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first,
                            grouped_matmul=cfg.grouped_matmul, block_size=cfg.block_size,
-                           fp8=self.fp8)
+                           fp8=self.fp8, amax=self.amax)
         if gathered:
             y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
         return Dispatched(y, jnp.zeros((), jnp.int32), _one())
@@ -209,7 +211,7 @@ class AllToAll(Dispatcher):
         route = Route(axes=shards.gathered, group=n, k=k, num_local=num_local,
                       cap=max(1, math.ceil(cfg.transport_buffer_factor * t * k / n)),
                       ragged=self.ragged, grouped_matmul=resolve_kernel(cfg.grouped_matmul),
-                      block_size=cfg.block_size, fp8=self.fp8)
+                      block_size=cfg.block_size, fp8=self.fp8, amax=self.amax)
         with jax.named_scope("dispatch"):
             shard = expert_idx.reshape(-1) // num_local
             dst, mine = shards.destination(shard)

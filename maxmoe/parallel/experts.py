@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import MoEConfig
+from maxmoe.kernels.fp8 import AmaxAxes
 from maxmoe.parallel.capacity import Capacity
 from maxmoe.parallel.dispatch import (
     AllGather,
@@ -73,7 +74,9 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
                           gathered=tuple(a for a in ep if a in batch),
                           sync=tuple(a for a in batch + others if a in mesh.axis_names))
     dispatcher = _dispatcher(cfg, shards, mesh, s)
-    dispatcher.fp8 = fp8
+    # a tensorwise amax spans every axis but the pipeline's (tokens over the batch axes, experts
+    # over the expert axes, the hidden's F over the tensor axes); a weight's, its F split
+    dispatcher.fp8, dispatcher.amax = fp8, AmaxAxes(rows=shards.sync, weights=tp)
     replicated = tuple(a for a in ep if a not in batch)  # tokens already present everywhere
     tok = P(batch or None, None, None)
     wspec_in = P(ep or None, None, tp or None)

@@ -67,7 +67,7 @@ class TwoLevel(Dispatcher):
         per_host = n // hosts
         common = dict(axes=self.shards.gathered, k=k, ragged=self.ragged,
                       grouped_matmul=resolve_kernel(cfg.grouped_matmul),
-                      block_size=cfg.block_size, fp8=self.fp8)
+                      block_size=cfg.block_size, fp8=self.fp8, amax=self.amax)
         across = Route(group=hosts, num_local=per_host * num_local, cap=t,
                        groups=tuple(tuple(h * per_host + j for h in range(hosts))
                                     for j in range(per_host)), **common)
