@@ -148,6 +148,22 @@ DEFAULT_RULES: dict[str, list[str]] = {
 }
 
 
+# leading dims that lax.scan and the pipeline slice one layer / stage at a time: a storage axis
+# placed there would make every slice gather the whole stack
+STACK_AXES = ("layers", "stage")
+
+
+def stage_local_rules(rules: dict[str, list[str]]) -> dict[str, list[str]]:
+    """`rules` as the pipeline's stages see them: the stage mesh axes (those of logical
+    "stage") dropped from every logical axis but STACK_AXES. Outside the pipeline those axes
+    split the batch like data (DEFAULT_RULES); inside, each stage holds its own microbatch
+    rows and "batch" means the split of those rows alone. Here (jax-free) so validation.py
+    checks the same rules sharding.within_stages applies."""
+    stage = set(rules.get("stage", []))
+    return {k: list(v) if k in STACK_AXES else [a for a in v if a not in stage]
+            for k, v in rules.items()}
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     data: int = -1  # pure data-parallel replicas; -1 = whatever the other axes leave

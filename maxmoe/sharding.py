@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from maxmoe.config import MESH_AXES
+from maxmoe.config import MESH_AXES, STACK_AXES, stage_local_rules
 
 _RULES: contextvars.ContextVar[dict[str, list[str]] | None] = contextvars.ContextVar("rules", default=None)
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
@@ -63,16 +63,6 @@ def use_mesh(mesh: Mesh, rules: dict[str, list[str]]) -> Iterator[Mesh]:
     finally:
         _RULES.reset(t1)
         _MESH.reset(t2)
-
-
-def stage_local_rules(rules: Mapping[str, list[str]]) -> dict[str, list[str]]:
-    """`rules` as the pipeline's stages see them: the stage mesh axes (those of logical
-    "stage") dropped from every logical axis but STACK_AXES. Outside the pipeline those axes
-    split the batch like data (config.DEFAULT_RULES); inside, each stage holds its own
-    microbatch rows and "batch" means the split of those rows alone."""
-    stage = set(rules.get("stage", []))
-    return {k: list(v) if k in STACK_AXES else [a for a in v if a not in stage]
-            for k, v in rules.items()}
 
 
 @contextlib.contextmanager
@@ -141,11 +131,6 @@ def _as_spec(axes: Sequence[tuple[str, ...]]) -> P:
 def entry_axes(entry) -> tuple[str, ...]:
     """One PartitionSpec entry (None, an axis name or a tuple of them) -> its mesh axes."""
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-# leading dims that lax.scan and the pipeline slice one layer / stage at a time: a storage axis
-# placed there would make every slice gather the whole stack
-STACK_AXES = ("layers", "stage")
 
 
 def state_dim_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],

@@ -30,6 +30,7 @@ from maxmoe.config import (
     PrecisionConfig,
     TrainConfig,
     fail,
+    stage_local_rules,
 )
 from maxmoe.data.corpus import STDLIB
 from maxmoe.model.spec import layer_groups, pipeline_schedule
@@ -345,9 +346,8 @@ def shards(cfg: Config, sizes: dict[str, int], logical: str) -> int:
 
 def stage_batch_shards(cfg: Config, sizes: dict[str, int]) -> int:
     """How many pieces one pipeline stage's rows are cut into: the batch axes but the stage
-    axes (sharding.within_stages), which split the rows only outside the pipeline."""
-    stage = set(cfg.mesh.rules.get("stage", []))
-    return math.prod(sizes[ax] for ax in cfg.mesh.rules["batch"] if ax not in stage)
+    axes (config.stage_local_rules), which split the rows only outside the pipeline."""
+    return math.prod(sizes[ax] for ax in stage_local_rules(cfg.mesh.rules)["batch"])
 
 
 def check_pipeline(cfg: Config, sizes: dict[str, int], need: Need) -> None:

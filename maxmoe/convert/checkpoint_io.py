@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from maxmoe.config import Config, load_config, save_config
-from maxmoe.convert.names import get_path
+from maxmoe.convert.names import get_path, leaf_paths
 from maxmoe.convert.param_writer import save_streamed
 from maxmoe.convert.safetensors_io import ConversionError
 from maxmoe.model.transformer import build_model
@@ -53,15 +53,9 @@ def save_converted(out_dir: Path, cfg: Config, params: dict, hf_config: dict | N
     """A converted checkpoint directory from params held in memory (numpy arrays), written
     chunk by chunk like `convert from-hf` writes it (no copy of the model is made)."""
     write_converted_config(out_dir, cfg, hf_config, hf_dtypes)
-    shapes = {tuple(_key(k) for k in p): np.shape(x)
-              for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    shapes = {p: np.shape(x) for p, x in leaf_paths(params)}
     save_streamed(Path(out_dir).resolve() / "params", shapes,
                   lambda path, index: np.asarray(get_path(params, path)[index], np.float32))
-
-
-def _key(entry):
-    """The dict key of a tree path entry."""
-    return entry.key if hasattr(entry, "key") else entry.idx
 
 
 def read_converted(ckpt_dir: Path, overrides: list[str] = ()) -> tuple[Config, dict | None, dict]:

@@ -21,7 +21,13 @@ from maxmoe.config import Config
 from maxmoe.convert.checkpoint_io import abstract_params, write_converted_config
 from maxmoe.convert.hf_config import config_from_hf, family_of
 from maxmoe.convert.hf_slices import LeafReader
-from maxmoe.convert.names import hub_shape, hub_tensors, hub_to_params, mtp_shared_copies
+from maxmoe.convert.names import (
+    hub_shape,
+    hub_tensors,
+    hub_to_params,
+    mtp_shared_copies,
+    path_key,
+)
 from maxmoe.convert.param_writer import MAX_CHUNK_BYTES, Written, save_streamed
 from maxmoe.convert.safetensors_io import (
     SCALE_SUFFIX,
@@ -119,26 +125,23 @@ def check_shared_copies(reader: SafetensorsReader, cfg: Config, family: str,
                                   "checkpoint")
 
 
-def _key(path: tuple) -> tuple[str, ...]:
-    """A param path as strings (tree path entries or plain keys; nnx.List indices are ints)."""
-    return tuple(str(getattr(k, "key", k)) for k in path)
-
-
-def chunk_orders(cfg: Config, family: str) -> dict[tuple, tuple[int, ...]]:
+def chunk_orders(shapes: dict[tuple, tuple[int, ...]], cfg: Config,
+                 family: str) -> dict[tuple, tuple[int, ...]]:
     """{param path: axes in the order the writer cuts them} so that a chunk reads hub rows:
     stacked (layer, expert) axes first, then a kernel's out axes (hub rows, contiguous on
     disk), then its in axes (hub columns: a column block would touch every row's pages).
-    Paths are the pure dict's; leaves no hub weight fills in transpose keep leading-first."""
-    shapes = {_key(path): len(x.shape)
-              for path, x in jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]}
+    shapes: {param path: shape} of every leaf (LeafReader.shapes, the model built once);
+    the result's paths are its keys; leaves no hub weight fills in transpose are left out
+    (leading-first)."""
+    path_of = {path_key(p): p for p in shapes}
     orders = {}
     for tensor in hub_tensors(cfg, family):
         if not tensor.linear:
             continue
         for part in tensor.parts:
-            key = _key(part.path)
-            k, d = len(part.index), part.in_dims
-            orders[key] = (*range(k), *range(k + d, shapes[key]), *range(k, k + d))
+            path = path_of[path_key(part.path)]
+            k, d, ndim = len(part.index), part.in_dims, len(shapes[path])
+            orders[path] = (*range(k), *range(k + d, ndim), *range(k, k + d))
     return orders
 
 
@@ -155,10 +158,9 @@ def convert_from_hf(hf_dir: Path, out_dir: Path, *, max_chunk_bytes: int = MAX_C
     if process_index == 0:
         write_converted_config(out_dir, cfg, reader.hf_config,
                                hub_dtypes(reader.files, cfg, family))
-    orders = chunk_orders(cfg, family)
     shapes = reader.shapes()
     written = save_streamed(out_dir / "params", shapes, reader.read,
                             max_chunk_bytes=max_chunk_bytes, process_index=process_index,
                             process_count=process_count, barrier=barrier,
-                            orders={p: orders[_key(p)] for p in shapes if _key(p) in orders})
+                            orders=chunk_orders(shapes, cfg, family))
     return cfg, written

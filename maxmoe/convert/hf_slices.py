@@ -18,13 +18,20 @@ import json
 import re
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from maxmoe.config import Config
 from maxmoe.convert.checkpoint_io import abstract_params
 from maxmoe.convert.hf_config import config_from_hf, family_of
-from maxmoe.convert.names import HubTensor, Part, hub_shape, hub_tensors, mtp_shared_copies
+from maxmoe.convert.names import (
+    HubTensor,
+    Part,
+    hub_shape,
+    hub_tensors,
+    leaf_paths,
+    mtp_shared_copies,
+    path_key,
+)
 from maxmoe.convert.safetensors_io import (
     BLOCK,
     SCALE_SUFFIX,
@@ -32,12 +39,6 @@ from maxmoe.convert.safetensors_io import (
     SafetensorsReader,
     iter_names_with_scales,
 )
-
-
-def _key(path: tuple) -> tuple[str, ...]:
-    """Param paths compare as strings: nnx.List entries are ints in the pure dict, "0" in
-    checkpoint metadata."""
-    return tuple(str(k) for k in path)
 
 
 def _ranges(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -96,8 +97,8 @@ class LeafReader:
                                   and int(m.group(1)) >= layers})
         self.cfg = cfg if cfg is not None else config_from_hf(self.hf_config, self.hub_mtp_depth)
         self._abstract = abstract_params(self.cfg)
-        self._shapes = {p: tuple(x.shape) for p, x in _leaves(self._abstract)}
-        self._shape_of = {_key(p): s for p, s in self._shapes.items()}
+        self._shapes = {p: tuple(x.shape) for p, x in leaf_paths(self._abstract)}
+        self._shape_of = {path_key(p): s for p, s in self._shapes.items()}
         self._parts: dict[tuple[str, ...], list[tuple[HubTensor, Part]]] = {}
         self._check(names)
 
@@ -118,7 +119,7 @@ class LeafReader:
                     f"tensor '{tensor.name}' has shape {list(self.files.shape(tensor.name))} but "
                     f"the config implies {list(want)}; fix config.json or the run's model config")
             for part in tensor.parts:
-                self._parts.setdefault(_key(part.path), []).append((tensor, part))
+                self._parts.setdefault(path_key(part.path), []).append((tensor, part))
         known = {t.name for t in expected} | {t.name for t in mtp_shared_copies(self.cfg)}
         first_dropped = self.cfg.model.num_layers + self.cfg.model.mtp_depth
         unknown = [n for n in names if n not in known and not _in_layers_from(n, first_dropped)]
@@ -135,7 +136,7 @@ class LeafReader:
     def read(self, path: tuple, index: tuple = ()) -> np.ndarray:
         """param[path][index] as float32: index is a tuple of step-1 slices (what
         jax.make_array_from_callback passes), missing trailing dims meaning whole."""
-        key = _key(path)
+        key = path_key(path)
         shape = self._shape_of.get(key)
         if shape is None:
             raise KeyError(f"no param leaf {path} in this model")
@@ -190,10 +191,3 @@ def _in_layers_from(name: str, first: int) -> bool:
     drops)."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return m is not None and int(m.group(1)) >= first
-
-
-def _leaves(tree: dict) -> list[tuple[tuple, jax.ShapeDtypeStruct]]:
-    """(path as pure-dict keys, leaf) of a param tree."""
-    return [(tuple(k.key for k in path), leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
-

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from maxmoe.config import Config
@@ -121,6 +122,19 @@ def mtp_shared_copies(cfg: Config) -> list[HubTensor]:
         out += [_copy(f"{prefix}.embed_tokens.weight", ("embed", "embedding")),
                 _linear(f"{prefix}.shared_head.head.weight", Part(("lm_head",)))]
     return out
+
+
+def leaf_paths(tree) -> list[tuple[Path_, object]]:
+    """(path as pure-dict keys, leaf) of every leaf of a param tree, in tree order (a list
+    entry's key is its index)."""
+    return [(tuple(k.key if hasattr(k, "key") else k.idx for k in path), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def path_key(path: Path_) -> tuple[str, ...]:
+    """A param path as strings, so paths compare whatever their source: nnx.List entries are
+    ints in the pure dict, "0" in checkpoint metadata."""
+    return tuple(str(k) for k in path)
 
 
 def get_path(tree: dict, path: Path_):

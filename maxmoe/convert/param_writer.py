@@ -83,10 +83,9 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, max_bytes: int,
     return tuple(out)
 
 
-def leaf_chunks(path: tuple, shape: tuple[int, ...], max_bytes: int,
-                order: tuple[int, ...] | None = None) -> list[Chunk]:
-    """Every chunk of one leaf, in C order of the chunk grid."""
-    chunks = chunk_shape(shape, DTYPE.itemsize, max_bytes, order)
+def leaf_chunks(path: tuple, shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[Chunk]:
+    """Every chunk of one leaf of `shape` cut into `chunks` (chunk_shape's), in C order of
+    the chunk grid."""
     starts = [range(0, n, c) for n, c in zip(shape, chunks, strict=True)]
     out = []
     for corner in itertools.product(*starts):
@@ -211,7 +210,7 @@ def _save(directory: Path, shapes: dict, produce: Produce, max_chunk_bytes: int,
     for path, shape in shapes.items():
         grid = chunk_shape(tuple(shape), DTYPE.itemsize, max_chunk_bytes, orders.get(path))
         specs[path] = _spec(tmp, path, grid, tuple(shape))
-        chunks += leaf_chunks(path, tuple(shape), max_chunk_bytes, orders.get(path))
+        chunks += leaf_chunks(path, tuple(shape), grid)
     if process_index == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

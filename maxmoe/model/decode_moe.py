@@ -4,7 +4,7 @@ gathered, not every expert run.
 A decode step has a few tokens, so its B*S*K (token, expert) assignments touch at most that
 many of the E experts. The grouped-matmul kernels (parallel/experts.py) read or loop over all
 E experts' weights; gathering the K chosen experts of each token reads K of them. Routing is
-MoE.__call__'s (router.route, the selection bias included), so the same experts and weights
+MoE.route, as in MoE.__call__ (the selection bias included), so the same experts and weights
 result; only the order of the float sums differs. Used while B*S*K <= E on an unsplit expert
 axis; otherwise (prefill, experts split over devices) the training path runs.
 """
@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.model.moe import MoE
-from maxmoe.model.router import route
 from maxmoe.sharding import mesh_axes, shard
 
 
@@ -25,8 +24,7 @@ def moe_step(mlp: MoE, x: jax.Array) -> jax.Array:
     k = mlp.cfg.experts_per_token
     if mesh_axes("experts") or b * s * k > mlp.cfg.num_experts:
         return mlp(x)[0]
-    logits = x.astype(jnp.float32) @ mlp.router[...]
-    idx, weights, _ = route(logits, mlp.cfg, None if mlp.bias is None else mlp.bias[...])
+    idx, weights, _ = mlp.route(x)
     idx, weights = idx.reshape(b * s, k), weights.reshape(b * s, k)
 
     def chosen(w):  # [E, ...] -> [T, K, ...]: gathered first, then cast (K experts, not E)

@@ -30,13 +30,19 @@ class MoE(nnx.Module):
                      if cfg.router == "sigmoid" else None)
         self.cfg, self.dtype, self.fp8 = cfg, dtype, fp8  # fp8: precision.fp8
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
-        """x [B, S, D] -> ([B, S, D], aux losses, expert load [E] and expert_idx [B, S, K])."""
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+        """x [B, S, D] -> (expert idx [B, S, K], combine weights [B, S, K], router aux):
+        router.route on float32 logits with the selection bias. The one routing of the train
+        (__call__) and decode (decode_moe.moe_step) paths, so both pick the same experts."""
         # router in float32 whatever the compute dtype: top-k flips are costly (precision policy)
         with jax.named_scope("router"):
             logits = x.astype(jnp.float32) @ self.router[...]
             bias = None if self.bias is None else self.bias[...]
-            idx, weights, aux = route(logits, self.cfg, bias)
+            return route(logits, self.cfg, bias)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
+        """x [B, S, D] -> ([B, S, D], aux losses, expert load [E] and expert_idx [B, S, K])."""
+        idx, weights, aux = self.route(x)
         # named for the save_named / offload_named remat policies (transformer.py)
         idx, weights = (checkpoint_name(t, "moe_dispatch") for t in (idx, weights))
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731

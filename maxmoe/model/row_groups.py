@@ -18,9 +18,11 @@ import jax.numpy as jnp
 
 from maxmoe.sharding import shard
 
+# how values stacked over equal parts of a batch combine (combine_stacked): MAXED maxed,
+# ROOT_MEAN_SQUARE the root of the mean square, the caller's summed keys added, the rest meaned
+MAXED = ("dispatch_rounds",)
+ROOT_MEAN_SQUARE = ("activation_rms", "dense_activation_rms")
 _SUMMED = ("expert_load",)
-_MAXED = ("dispatch_rounds",)
-_RMS = ("activation_rms", "dense_activation_rms")
 _MEANED = ("z_loss", "sequence_balance_loss", "router_affinity", "router_entropy",
            "dropped_fraction")
 # the split keeps these logical names on the trailing dims ([B, S] and [B, S, D] arrays)
@@ -44,18 +46,21 @@ def join_rows(a: jax.Array) -> jax.Array:
 
 def kept_aux(aux: dict) -> dict:
     """The aux entries that combine over groups of rows (per-token ones dropped)."""
-    return {k: v for k, v in aux.items() if k in _SUMMED + _MAXED + _RMS + _MEANED}
+    return {k: v for k, v in aux.items() if k in _SUMMED + MAXED + ROOT_MEAN_SQUARE + _MEANED}
 
 
-def combine_aux(aux: dict) -> dict:
-    """{key: [G, ...]} of G equal groups of rows -> the whole batch's {key: [...]}."""
+def combine_stacked(stacked: dict, summed: tuple = _SUMMED) -> dict:
+    """{key: [G, ...]} stacked over G equal parts of a batch (row groups, microbatches) -> the
+    whole batch's {key: [...]}: keys in `summed` added, MAXED maxed, ROOT_MEAN_SQUARE the root
+    of the mean square, the rest the mean. The one rule for both row groups and gradient
+    accumulation, so a new aux metric combines the same way in each."""
     out = {}
-    for k, v in aux.items():
-        if k in _SUMMED:
+    for k, v in stacked.items():
+        if k in summed:
             out[k] = jnp.sum(v, axis=0)
-        elif k in _MAXED:
+        elif k in MAXED:
             out[k] = jnp.max(v, axis=0)
-        elif k in _RMS:
+        elif k in ROOT_MEAN_SQUARE:
             out[k] = jnp.sqrt(jnp.mean(jnp.square(v), axis=0))
         else:
             out[k] = jnp.mean(v, axis=0)
@@ -67,7 +72,7 @@ def over_row_groups(fn, groups: int, rows: tuple, summed_init, *, remat: bool = 
 
     rows: arrays [B, ...] (split by split_rows); out: [B/G, ...] arrays or None, joined back
     to [B, ...]; summed: a pytree of values added over the groups, starting from summed_init
-    (e.g. loss sums); aux: {key: value} combined by combine_aux (kept_aux's keys only).
+    (e.g. loss sums); aux: {key: value} combined by combine_stacked (kept_aux's keys only).
     remat: fn under jax.checkpoint saving nothing, so the scan keeps only each group's inputs
     for the backward (else whatever fn's backward needs, e.g. float32 logits, is kept for
     every group: the whole batch's again). Returns (out, summed, aux)."""
@@ -83,4 +88,4 @@ def over_row_groups(fn, groups: int, rows: tuple, summed_init, *, remat: bool = 
     total, (out, aux) = jax.lax.scan(body, summed_init,
                                      tuple(split_rows(a, groups) for a in rows))
     out = None if out is None else jax.tree.map(join_rows, out)
-    return out, total, combine_aux(aux)
+    return out, total, combine_stacked(aux)

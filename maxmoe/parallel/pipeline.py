@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxmoe.model.row_groups import MAXED
 from maxmoe.model.spec import PipelineSchedule
 from maxmoe.sharding import (
     current_mesh,
@@ -63,7 +64,7 @@ from maxmoe.sharding import (
 )
 
 # aux values summed over microbatches (then averaged, expert_load kept a sum), or maxed
-# (_AUX_MAXED: dispatch_rounds, the rounds the worst microbatch needed); other per-token
+# (row_groups.MAXED: dispatch_rounds, the rounds the worst microbatch needed); other per-token
 # outputs are dropped. The losses' inputs (z, sequence, load, affinity) are sums or means over
 # equal groups of rows (model/router.py), so they equal the whole batch's; activation_rms,
 # router_entropy and dropped_fraction (metrics only) are means of the microbatches' values
@@ -71,7 +72,6 @@ from maxmoe.sharding import (
 # tokens); dispatch_rounds is their max (the rounds the worst microbatch needed).
 _AUX_KEYS = ("z_loss", "sequence_balance_loss", "expert_load", "router_affinity",
              "router_entropy", "activation_rms", "dropped_fraction", "dispatch_rounds")
-_AUX_MAXED = ("dispatch_rounds",)
 
 
 def num_stages() -> int:
@@ -349,20 +349,20 @@ _unpack.defvjp(lambda w, dtype: (_halves(w, dtype), None), lambda dtype, _, g: (
 
 def _aux_add(key: str, acc, weight, value):
     """acc [P, V, ...] with one iteration's aux value [P, ...] added where weight [P, V] (0 or
-    1: the stage's pass is a real microbatch) is 1: summed, or maxed for _AUX_MAXED keys (their
+    1: the stage's pass is a real microbatch) is 1: summed, or maxed for MAXED keys (their
     values are >= 0, so a 0 weight leaves acc)."""
     term = jnp.einsum("pv,p...->pv...", weight, value.astype(jnp.float32))
-    return jnp.maximum(acc, term) if key in _AUX_MAXED else acc + term
+    return jnp.maximum(acc, term) if key in MAXED else acc + term
 
 
 def _natural_aux(aux_sum: dict, table: list[list[int]], m: int) -> dict:
     """aux [P, V, slots, ...] summed (or maxed) over m microbatches -> the mean (expert_load:
-    the sum; _AUX_MAXED: the max) of each real layer, in natural layer order [L, ...]; padding
+    the sum; MAXED: the max) of each real layer, in natural layer order [L, ...]; padding
     slots dropped."""
     flat = np.asarray(table).reshape(-1)
     where = jnp.asarray(np.argsort(np.where(flat >= 0, flat, flat.size))[:int((flat >= 0).sum())])
     out = {}
     for k, a in aux_sum.items():
         a = jnp.take(a.reshape(-1, *a.shape[3:]), where, axis=0)
-        out[k] = a if k == "expert_load" or k in _AUX_MAXED else a / m  # a count, a max
+        out[k] = a if k == "expert_load" or k in MAXED else a / m  # a count, a max
     return out

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 from jax.sharding import Mesh
 
-from maxmoe.plan.hlo import Instr, close_bracket, parse_module, shape_bytes
+from maxmoe.plan.hlo import Instr, attr, close_bracket, parse_module, shape_bytes
 from maxmoe.plan.scatter import scattered_parts, use_index
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -66,22 +66,6 @@ def _iota(text: str) -> np.ndarray:
     if m.group(2):
         arr = arr.transpose([int(p) for p in m.group(2).split(",")])
     return arr.reshape(-1)
-
-
-def _attr(attrs: str, key: str) -> str | None:
-    """The value text of `key=` in an attribute list (bracket-balanced), None if absent."""
-    m = re.search(rf"(?:^|[\s,]){key}=", attrs)
-    if not m:
-        return None
-    i = m.end()
-    if attrs[i] in "{[(":
-        end = close_bracket(attrs, i) + 1
-        if attrs[i] == "[" and attrs[end:end + 2] == "<=":  # iota form [G,N]<=[dims]T(perm)
-            end = close_bracket(attrs, end + 2) + 1
-            if attrs[end:end + 2] == "T(":
-                end = close_bracket(attrs, end + 1) + 1
-        return attrs[i:end]
-    return re.match(r"[^,\s]+", attrs[i:]).group(0)
 
 
 def _device_list(text: str) -> np.ndarray:
@@ -130,7 +114,7 @@ def replica_groups(attrs: str, num_partitions: int) -> list[list[int]]:
     the mesh-axes form, or none/empty (all partitions in one group)."""
     if "replica_groups=mesh[" in attrs:
         return _mesh_groups(attrs)
-    value = _attr(attrs, "replica_groups")
+    value = attr(attrs, "replica_groups")
     if value is None or re.fullmatch(r"\{\s*\}", value):
         return [list(range(num_partitions))]
     if value.startswith("{"):
@@ -144,7 +128,7 @@ def replica_groups(attrs: str, num_partitions: int) -> list[list[int]]:
 
 def source_target_pairs(attrs: str) -> list[tuple[int, int]]:
     """collective-permute's `source_target_pairs={{0,1},{1,0}}`."""
-    value = _attr(attrs, "source_target_pairs") or "{}"
+    value = attr(attrs, "source_target_pairs") or "{}"
     return [(int(s), int(t)) for s, t in re.findall(r"\{\s*(\d+)\s*,\s*(\d+)\s*\}", value)]
 
 
@@ -246,7 +230,7 @@ def _callees(ins: Instr) -> list[str]:
     """Computations an instruction runs (body, condition, branches, calls, to_apply...)."""
     names = []
     for key in _CALLEE_KEYS:
-        value = _attr(ins.attrs, key)
+        value = attr(ins.attrs, key)
         if value:
             names += re.findall(r"%?([\w.\-]+)", value.strip("{}"))
     return names

@@ -18,10 +18,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from maxmoe.config import Config
+from maxmoe.config import Config, stage_local_rules
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
-from maxmoe.sharding import dim_axes, param_axes, stage_local_rules, variable_axes
+from maxmoe.sharding import dim_axes, param_axes, variable_axes
 from maxmoe.train.optimizer import make_optimizer
 
 

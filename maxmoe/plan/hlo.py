@@ -1,6 +1,7 @@
 """HLO module text as printed by `compiled.as_text()`: computations of instructions (name,
 result shape, opcode, operands, attributes, whether it is the ROOT) and the byte sizes of
-shapes. Enough for maxmoe.plan.collectives and maxmoe.plan.scatter, not a full HLO parser."""
+shapes, elements, operand names and attribute values. Enough for maxmoe.plan.collectives and
+maxmoe.plan.scatter (all their HLO text parsing is here), not a full HLO parser."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ import numpy as np
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([<=\d,]*)\]")
+_PARAM = re.compile(r"^\s*(\d+)\s*$")
+
+
+def _uncommented(text: str) -> str:
+    """text without its /* ... */ comments."""
+    return re.sub(r"/\*.*?\*/", "", text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +46,33 @@ def dtype_bytes(dtype: str) -> float:
 def shape_bytes(shape: str) -> float:
     """Bytes of an HLO shape text (arrays and tuples; layouts and comments ignored)."""
     total = 0.0
-    for dtype, dims in _SHAPE.findall(re.sub(r"/\*.*?\*/", "", shape)):
+    for dtype, dims in _SHAPE.findall(_uncommented(shape)):
         sizes = [int(d.replace("<=", "")) for d in dims.split(",") if d]
         total += dtype_bytes(dtype) * int(np.prod(sizes, dtype=np.int64))
     return total
+
+
+def elements(shape: str) -> int:
+    """Elements of one array shape text (`f32[64,128]{1,0}` -> 8192; a scalar -> 1)."""
+    m = _SHAPE.search(_uncommented(shape))
+    if not m:
+        raise ValueError(f"not an array shape: {shape!r}")
+    total = 1
+    for d in m.group(2).split(","):
+        if d:
+            total *= int(d.replace("<=", ""))
+    return total
+
+
+def tuple_parts(type_: str) -> list[str]:
+    """Element shape texts of a tuple shape `(a, b)`; [type_] for an array."""
+    text = _uncommented(type_).strip()
+    return split_top(text[1:-1]) if text.startswith("(") else [text]
+
+
+def operand_name(operand: str) -> str:
+    """`%x` or `f32[4] %x` -> `x`."""
+    return operand.rsplit(None, 1)[-1].lstrip("%")
 
 
 def split_top(text: str, sep: str = ",") -> list[str]:
@@ -76,9 +106,32 @@ def close_bracket(text: str, start: int) -> int:
     raise ValueError(f"unbalanced brackets in HLO: {text[:120]!r}")
 
 
+def attr(attrs: str, key: str) -> str | None:
+    """The value text of `key=` in an attribute list (bracket-balanced), None if absent."""
+    m = re.search(rf"(?:^|[\s,]){key}=", attrs)
+    if not m:
+        return None
+    i = m.end()
+    if attrs[i] in "{[(":
+        end = close_bracket(attrs, i) + 1
+        if attrs[i] == "[" and attrs[end:end + 2] == "<=":  # iota form [G,N]<=[dims]T(perm)
+            end = close_bracket(attrs, end + 2) + 1
+            if attrs[end:end + 2] == "T(":
+                end = close_bracket(attrs, end + 1) + 1
+        return attrs[i:end]
+    return re.match(r"[^,\s]+", attrs[i:]).group(0)
+
+
+def parameter_number(ins: Instr) -> int | None:
+    """N of a `parameter(N)` instruction; None for any other."""
+    if ins.opcode != "parameter" or not ins.operands or not _PARAM.match(ins.operands[0]):
+        return None
+    return int(ins.operands[0])
+
+
 def parse_instruction(line: str) -> Instr | None:
     """One HLO instruction line -> Instr; None for anything else."""
-    m = _INSTR.match(re.sub(r"/\*.*?\*/", "", line))
+    m = _INSTR.match(_uncommented(line))
     if not m:
         return None
     name, rest = m.group(1), m.group(2).strip()

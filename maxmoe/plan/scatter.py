@@ -22,39 +22,25 @@ GPU reduce-scatters the first one's 1/n piece: an overcount that remains.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable, Mapping, Sequence
 
-from maxmoe.plan.hlo import Instr, split_top
+from maxmoe.plan.hlo import (
+    Instr,
+    attr,
+    elements,
+    operand_name,
+    parameter_number,
+    tuple_parts,
+)
 
 _PASS_THROUGH = ("bitcast", "copy", "convert", "reshape", "transpose")
 # elementwise: a slice of f(a, b) needs only the same slice of a (result as large as a)
 _ELEMENTWISE = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
                 "select", "sqrt", "rsqrt", "exponential", "clamp")
 _SLICES = ("slice", "dynamic-slice")
-_DIMS = re.compile(r"\b[a-z][a-z0-9]*\[([<=\d,]*)\]")
-_INDEX = re.compile(r"(?:^|[\s,])index=(\d+)")
-_PARAM = re.compile(r"^\s*(\d+)\s*$")
 
 
 Uses = dict[str, list[tuple[Instr, int]]]  # value name -> [(user, operand position)]
-
-
-def elements(shape: str) -> int:
-    """Elements of one array shape text (`f32[64,128]{1,0}` -> 8192; a scalar -> 1)."""
-    m = _DIMS.search(re.sub(r"/\*.*?\*/", "", shape))
-    if not m:
-        raise ValueError(f"not an array shape: {shape!r}")
-    total = 1
-    for d in m.group(1).split(","):
-        if d:
-            total *= int(d.replace("<=", ""))
-    return total
-
-
-def operand_name(operand: str) -> str:
-    """`%x` or `f32[4] %x` -> `x`."""
-    return operand.rsplit(None, 1)[-1].lstrip("%")
 
 
 def use_index(comps: Mapping[str, Sequence[Instr]]) -> Callable[[str], Uses]:
@@ -74,13 +60,12 @@ def use_index(comps: Mapping[str, Sequence[Instr]]) -> Callable[[str], Uses]:
 def _fusion_parameter(comps: Mapping[str, Sequence[Instr]], fusion: Instr,
                       pos: int) -> tuple[str, str] | None:
     """(fused computation, name of its parameter(pos)) for a fusion's operand pos."""
-    m = re.search(r"(?:^|[\s,])calls=%?([\w.\-]+)", fusion.attrs)
-    if not m or m.group(1) not in comps:
+    called = (attr(fusion.attrs, "calls") or "").lstrip("%")
+    if called not in comps:
         return None
-    for ins in comps[m.group(1)]:
-        if ins.opcode == "parameter" and _PARAM.match(ins.operands[0] if ins.operands else "") \
-                and int(ins.operands[0]) == pos:
-            return m.group(1), ins.name
+    for ins in comps[called]:
+        if parameter_number(ins) == pos:
+            return called, ins.name
     return None
 
 
@@ -97,10 +82,10 @@ def _reduced(uses: Callable[[str], Uses], comp: str, reduce: Instr,
         return [holder]
     picked = []
     for user, _ in uses(comp).get(holder.name, []):
-        m = _INDEX.search(user.attrs)
-        if user.opcode != "get-tuple-element" or not m:
+        index = attr(user.attrs, "index")
+        if user.opcode != "get-tuple-element" or not (index or "").isdigit():
             return None
-        if int(m.group(1)) == pos:
+        if int(index) == pos:
             picked.append(user)
     return picked
 
@@ -138,18 +123,12 @@ def slice_only(comps: Mapping[str, Sequence[Instr]], uses: Callable[[str], Uses]
     return True
 
 
-def _tuple_parts(type_: str) -> list[str]:
-    """Element shape texts of a tuple shape `(a, b)`; [type_] for an array."""
-    text = re.sub(r"/\*.*?\*/", "", type_).strip()
-    return split_top(text[1:-1]) if text.startswith("(") else [text]
-
-
 def scattered_parts(comps: Mapping[str, Sequence[Instr]], uses: Callable[[str], Uses],
                     comp: str, ins: Instr, n: int) -> list[str]:
     """Shape texts of the parts of all-reduce `ins` (in `comp`, group size n) whose result is
     only sliced to 1/n: the whole result for an array, tuple elements reached through
     get-tuple-element (through an async -done first) for a tuple."""
-    parts = _tuple_parts(ins.type)
+    parts = tuple_parts(ins.type)
     out = []
     for pos, part in enumerate(parts):
         held = _reduced(uses, comp, ins, pos)

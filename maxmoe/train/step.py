@@ -28,6 +28,7 @@ from maxmoe.config import Config
 from maxmoe.metrics.diagnostics import grad_norms_by_group, update_ratios
 from maxmoe.metrics.router_health import init_window, update_window
 from maxmoe.model.router import RouterBias
+from maxmoe.model.row_groups import combine_stacked
 from maxmoe.model.spec import layer_groups, moe_layer_indices
 from maxmoe.model.transformer import LossShare, build_model, load_summary, loss_token_counts
 from maxmoe.parallel.dispatch import resolve_transport
@@ -173,11 +174,9 @@ def writes_metrics(done, cfg: Config):
     return hit
 
 
-# how microbatch metrics combine into the step's under gradient accumulation (accumulated)
+# microbatch metrics summed into the step's under gradient accumulation (accumulated)
 SUMMED = ("loss", "ce_loss", "mtp_loss", "balance_loss", "z_loss", "sequence_balance_loss",
           "dropped_fraction", "expert_load")
-ROOT_MEAN_SQUARE = ("activation_rms", "dense_activation_rms")
-MAXED = ("dispatch_rounds",)
 
 
 def accumulated(metrics: dict) -> dict:
@@ -188,22 +187,15 @@ def accumulated(metrics: dict) -> dict:
       cross-entropies, 1 / A for position means), and expert_load, a count;
     - expert_load_max / _min, load_max_mean_ratio_max: recomputed from the summed load (a
       max of microbatch maxima would not be the step's);
-    - ROOT_MEAN_SQUARE: the residual RMS per layer, root of the mean square over microbatches
-      (each holds the same number of positions);
-    - MAXED: dispatch_rounds, the rounds the worst microbatch needed;
+    - ROOT_MEAN_SQUARE (row_groups): the residual RMS per layer, root of the mean square over
+      microbatches (each holds the same number of positions);
+    - MAXED (row_groups): dispatch_rounds, the rounds the worst microbatch needed;
     - anything else: the mean over microbatches (router_entropy and
       dropped_fraction_by_layer: exactly the step's, as every microbatch has as many tokens
-      and assignments)."""
-    out = {}
-    for key, value in metrics.items():
-        if key in SUMMED:
-            out[key] = jnp.sum(value, axis=0)
-        elif key in ROOT_MEAN_SQUARE:
-            out[key] = jnp.sqrt(jnp.mean(jnp.square(value), axis=0))
-        elif key in MAXED:
-            out[key] = jnp.max(value, axis=0)
-        else:
-            out[key] = jnp.mean(value, axis=0)
+      and assignments).
+
+    row_groups.combine_stacked applies these rules."""
+    out = combine_stacked(metrics, summed=SUMMED)
     if "expert_load" in out:
         out.update(load_summary(out["expert_load"]))
     return out

@@ -65,7 +65,7 @@ def test_chunk_shape(shape, order, max_bytes, want):
 
 def test_leaf_chunks_tile_the_leaf_once():
     seen = np.zeros((7, 3, 5), np.int32)
-    for c in leaf_chunks(("x",), (7, 3, 5), 4 * 2 * 5, (0, 2, 1)):
+    for c in leaf_chunks(("x",), (7, 3, 5), chunk_shape((7, 3, 5), 4, 4 * 2 * 5, (0, 2, 1))):
         seen[c.index] += 1
         assert c.nbytes == 4 * seen[c.index].size <= 40
     assert (seen == 1).all()
