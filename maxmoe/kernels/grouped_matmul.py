@@ -3,8 +3,9 @@ sorted by expert and run as one grouped matmul (SwiGLU), weighted and summed per
 
 Two implementations of the grouped matmul, chosen by `moe.grouped_matmul`: `lax.ragged_dot`
 (GPUs have a grouped GEMM) or `blocked`, `block_expert_mlp`, a loop over per-expert row blocks
-with its own backward (XLA:CPU lowers ragged_dot densely); `auto` picks by platform. No
-collectives here: parallel/experts.py moves tokens between expert shards and calls this.
+with its own backward (XLA:CPU lowers ragged_dot densely); `auto` picks by platform. Tokens do
+not move here: parallel/experts.py moves them between expert shards and calls this (the one
+collective is a scalar pmax of each tensorwise FP8 amax over kernels/fp8.AmaxAxes).
 """
 
 from __future__ import annotations
@@ -150,16 +151,18 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="no
     remain, then one): each step gathers its blocks' token rows, runs the 2-D matmuls (gate | up
     joined) and scatter-adds the weighted output rows, so no [N * bs, D] copy of the inputs or
     outputs is made; weight gradients are added in place into float32 [E, ...] accumulators.
-    The backward recomputes each block's gate/up matmul, so the kernel's residuals are its
-    inputs and the layer scan stacks none of its activations. The router weight's gradient is
-    rowsum(dL/d(weighted h) * h). Why this shape and not ragged_dot or a batched matmul:
-    docs/performance.md, Grouped matmul.
+    The backward recomputes each block's gate/up matmul (tensorwise: the down one too), so the
+    kernel's residuals are its inputs and the layer scan stacks none of its activations. The
+    router weight multiplies each slot's output; its gradient is rowsum((g @ Wd^T) * h)
+    (tensorwise: rowsum(g * output), `_Expert.backward_rows`). Why this shape and not
+    ragged_dot or a batched matmul: docs/performance.md, Grouped matmul.
     fp8 (precision.fp8): tensorwise / blockwise run every matmul of a step on E4M3 operands
     (kernels/fp8.py; gate and up quantised apart; the weight gradients' token tiles are the
     step's rows, 128 at a time, empty slots zeroed so they count in no tile's amax).
     Tensorwise takes one scale per operand tensor over every routed row of every expert
-    (`Scales`, a first pass over the blocks for the hidden and d[gate | up]), reduced over
-    the mesh axes of `amax` (kernels/fp8.AmaxAxes), and one per expert weight.
+    (`Scales`, a first pass over the blocks for the hidden, and in the backward for d[gate |
+    up]), reduced over the mesh axes of `amax` (kernels/fp8.AmaxAxes), and one per expert
+    weight; the forward's scales are residuals, so the backward quantises h as it did.
     """
     return _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8,
                                  amax)[0]
@@ -211,25 +214,28 @@ class _Expert:
     def backward_rows(self, xi, g, w):
         """One step's rows back to d[gate | up], from rows xi, output cotangents g (xi's
         dtype) and router weights w [rows, 1]: (h float32, the down weight gradient's operands
-        (lhs rows, rhs rows), d row weight [rows], dgu in xi's dtype). fp8 none: g @ Wd^T once
-        gives dh / w and the row weight's gradient (rowsum(g @ Wd^T * h)). Under FP8 the
-        down projection's output cotangent w g is quantised (as the ragged kernel's autodiff
-        and the all-to-all senders do) and the row weight's gradient is rowsum(g * output)
-        with the output recomputed: the identity does not hold for quantised operands."""
+        (lhs rows, rhs rows), d row weight [rows], dgu in xi's dtype). fp8 none / blockwise:
+        g @ Wd^T once gives dh / w and the row weight's gradient rowsum(g @ Wd^T * h)
+        (blockwise's 1x128 row tiles take w g and g alike). Tensorwise quantises the down
+        projection's output cotangent w g with one scale (as the ragged kernel's autodiff and
+        the all-to-all senders do) and takes the row weight's gradient as rowsum(g * output)
+        with the output recomputed (the identity does not hold for quantised operands); its
+        down operand is the forward's own h, in xi's dtype, under the forward's scale."""
         f = self.f
-        gu = self.gate_up(xi).astype(jnp.float32)
+        gu_x = self.gate_up(xi)
+        gu = gu_x.astype(jnp.float32)
         gate, up = gu[:, :f], gu[:, f:]
         sig = jax.nn.sigmoid(gate)
         act = gate * sig  # silu
         h = act * up
-        if self.fp8 == "none":
+        if self.fp8 != "tensorwise":
             dhw = self._mm(g, "g", self.wd.T, "wd")
             dh, drw, down = dhw * w, jnp.sum(dhw * h, axis=1), ((h * w).astype(xi.dtype), g)
         else:
+            hx = jax.nn.silu(gu_x[:, :f]) * gu_x[:, f:]  # the forward's expression
             gw = (g * w).astype(xi.dtype)
             dh = self._mm(gw, "g", self.wd.T, "wd")
-            out = self.down(h.astype(xi.dtype))
-            drw, down = jnp.sum(g.astype(jnp.float32) * out, axis=1), (h.astype(xi.dtype), gw)
+            drw, down = jnp.sum(g.astype(jnp.float32) * self.down(hx), axis=1), (hx, gw)
         dgate = dh * up * (sig * (1 + gate * (1 - sig)))  # d silu = sig (1 + x (1 - sig))
         return h, down, drw, jnp.concatenate([dgate, dh * act], axis=1).astype(xi.dtype)
 
@@ -246,52 +252,73 @@ class _Expert:
         return self._mm(xi.T, "x", dgu, "dgu", 1), self._mm(down[0].T, "h", down[1], "g", 1)
 
 
-def _scales(x, token, row_weight, w_gate, w_up, w_down, bounds, amax: AmaxAxes,
-            gy=None) -> Scales:
-    """The tensorwise Scales of block_expert_mlp's forward (gy None) or backward (gy [T, D]
-    the output cotangent): amaxes over the slots in use (row weight != 0), the hidden and
-    d[gate | up] from a pass over the blocks, each reduced over `amax`'s axes."""
+def _forward_scales(x, token, row_weight, w_gate, w_up, w_down, bounds,
+                    amax: AmaxAxes) -> Scales:
+    """block_expert_mlp's tensorwise forward Scales: x over the routed rows (some slot in use,
+    row weight != 0), one per expert weight, h over every slot in use (a pass over the
+    blocks), each amax reduced over `amax`'s axes; g and dgu 1."""
     x = x.reshape(-1, x.shape[-1])
-    flat = token.reshape(-1)
-    # per token, the largest router weight of its slots (0: routed nowhere, as empty slots)
-    wmax = jnp.zeros(x.shape[0], jnp.float32).at[flat].max(
-        jnp.abs(row_weight.reshape(-1)).astype(jnp.float32))
-    row_max = lambda a: jnp.max(jnp.abs(a.astype(jnp.float32)), axis=1)  # noqa: E731
-    x_max = jnp.max(jnp.where(wmax > 0, row_max(x), 0.0))
+    routed = _routed_weight(token, row_weight, x.shape[0]) > 0
     one = jnp.ones((), jnp.float32)
-    g = one
-    if gy is not None:  # amax of the slots' w g: monotone rounding, so max w times max |g|
-        g_max = jnp.max(wmax * row_max(gy.astype(x.dtype))).astype(x.dtype)
-        g = scale_of(g_max.astype(jnp.float32), amax.rows)
-    sc = Scales(scale_of(x_max, amax.rows), one, g, one,
+    sc = Scales(scale_of(jnp.max(jnp.where(routed, _row_max(x), 0.0)), amax.rows), one, one, one,
                 *(scale_of(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2)), amax.weights)
                   for w in (w_gate, w_up, w_down)))
 
+    def hidden_max(ex, tok, w):
+        gu = ex.gate_up(x[tok])
+        return jnp.max(jnp.where(w[:, 0] != 0, _row_max(jax.nn.silu(gu[:, :ex.f]) * gu[:, ex.f:]),
+                                 0.0))
+    h_max = _blocks_max(hidden_max, sc, token, row_weight, w_gate, w_up, w_down, bounds)
+    return sc._replace(h=scale_of(h_max, amax.rows))
+
+
+def _backward_scales(fwd: Scales, gy, x, token, row_weight, w_gate, w_up, w_down, bounds,
+                     amax: AmaxAxes) -> Scales:
+    """fwd (the forward's Scales) with the backward's: g, of the slots' w g (rounding is
+    monotone, so the amax is max w times max |g| per token), and dgu (a pass over the
+    blocks), each reduced over `amax`'s axes. gy [T, D]: the output's cotangent."""
+    x = x.reshape(-1, x.shape[-1])
+    wmax = _routed_weight(token, row_weight, x.shape[0])
+    g_max = jnp.max(wmax * _row_max(gy.astype(x.dtype))).astype(x.dtype)
+    sc = fwd._replace(g=scale_of(g_max.astype(jnp.float32), amax.rows))
+
+    def dgu_max(ex, tok, w):
+        return jnp.max(_row_max(ex.backward_rows(x[tok], gy[tok].astype(x.dtype), w)[3]))
+    return sc._replace(dgu=scale_of(
+        _blocks_max(dgu_max, sc, token, row_weight, w_gate, w_up, w_down, bounds), amax.rows))
+
+
+def _routed_weight(token, row_weight, t: int):
+    """[T] float32: each token's largest router weight over the slots (0: in none in use)."""
+    return jnp.zeros(t, jnp.float32).at[token.reshape(-1)].max(
+        jnp.abs(row_weight.reshape(-1)).astype(jnp.float32))
+
+
+def _row_max(a):
+    """Per row, the largest |element|, float32."""
+    return jnp.max(jnp.abs(a.astype(jnp.float32)), axis=1)
+
+
+def _blocks_max(block_max, sc: Scales, token, row_weight, w_gate, w_up, w_down, bounds):
+    """The max over every block step of every expert of block_max(expert, token rows, router
+    weights [rows, 1]) (float32 scalar), the experts' matmuls tensorwise with scales sc."""
     def expert(e, acc):
         ex = _Expert(e, w_gate, w_up, w_down, "tensorwise", sc)
 
-        def block(i, m, acc):
-            tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None]
-            if gy is None:
-                gu = ex.gate_up(x[tok])
-                h, dgu_max = jax.nn.silu(gu[:, :ex.f]) * gu[:, ex.f:], acc[1]
-            else:
-                h, _, _, dgu = ex.backward_rows(x[tok], gy[tok].astype(x.dtype), w)
-                dgu_max = jnp.maximum(acc[1], jnp.max(jnp.abs(dgu.astype(jnp.float32))))
-            h = jnp.where(w != 0, h.astype(x.dtype).astype(jnp.float32), 0.0)
-            return jnp.maximum(acc[0], jnp.max(jnp.abs(h))), dgu_max
-        return _over_blocks(bounds[e], bounds[e + 1], block, acc)
-    h_max, dgu_max = jax.lax.fori_loop(0, w_down.shape[0], expert, (0 * one, 0 * one))
-    return sc._replace(h=scale_of(h_max, amax.rows),
-                       dgu=one if gy is None else scale_of(dgu_max, amax.rows))
+        def step(i, m, acc):
+            return jnp.maximum(acc, block_max(ex, _rows(token, i, m),
+                                              _rows(row_weight, i, m)[:, None]))
+        return _over_blocks(bounds[e], bounds[e + 1], step, acc)
+    return jax.lax.fori_loop(0, w_down.shape[0], expert, jnp.zeros((), jnp.float32))
 
 
 def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="none",
                           amax=NO_AXES):
     x, token, row_weight, w_gate, w_up, w_down, bounds = (
         jnp.asarray(a) for a in (x, token, row_weight, w_gate, w_up, w_down, bounds))
-    res = (x, token, row_weight, w_gate, w_up, w_down, bounds)
-    sc = _scales(*res, amax) if fp8 == "tensorwise" else None
+    sc = (_forward_scales(x, token, row_weight, w_gate, w_up, w_down, bounds, amax)
+          if fp8 == "tensorwise" else None)
+    res = (x, token, row_weight, w_gate, w_up, w_down, bounds, sc)
     x = x.reshape(-1, x.shape[-1])
 
     def expert(e, carry):
@@ -311,16 +338,20 @@ def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp
 
 
 def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_down, bounds,
-                                fp8="none", amax=NO_AXES):
+                                fp8="none", amax=NO_AXES, scales: Scales | None = None):
     """block_expert_mlp's backward into float32 accumulators acc = (dx [T, D], d row_weight
     [N, bs], d w_gate, d w_up, d w_down) (their shapes as the inputs'): returns acc with the
     gradients added (d row_weight: set for the blocks in use, the rest kept). gy [T, D]: the
     output's cotangent. A caller that runs the kernel several times on the same weights
     (parallel/all_to_all.py's rounds) sums the weight gradients here, in place, instead of in
-    a second weight-sized buffer."""
+    a second weight-sized buffer. scales: the forward's tensorwise Scales (None: taken
+    again here, as the forward takes them)."""
     x, gy = x.reshape(-1, x.shape[-1]), jnp.asarray(gy)
-    sc = (_scales(x, token, row_weight, w_gate, w_up, w_down, bounds, amax, gy)
-          if fp8 == "tensorwise" else None)
+    sc = None
+    if fp8 == "tensorwise":
+        ws = (token, row_weight, w_gate, w_up, w_down, bounds)
+        fwd = scales if scales is not None else _forward_scales(x, *ws, amax)
+        sc = _backward_scales(fwd, gy, x, *ws, amax)
 
     def expert(e, carry):
         ex = _Expert(e, w_gate, w_up, w_down, fp8, sc)
@@ -334,8 +365,9 @@ def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_d
             dx = dx.at[tok].add(ex.input_grad(dgu))
             # weight gradients sum over many blocks: added in place into float32 [E, ...]
             # accumulators whatever the dtype (no per-expert zero fill, add and copy-out)
-            if fp8 != "none":  # empty slots (weight 0: dgu, w g rows 0) out of the tile amax
-                xi, down = jnp.where(w != 0, xi, 0), (jnp.where(w != 0, down[0], 0), down[1])
+            if fp8 != "none":  # empty slots (weight 0: dgu rows 0) out of every amax
+                xi, down = (jnp.where(w != 0, xi, 0),
+                            tuple(jnp.where(w != 0, a, 0) for a in down))
             gwgu, gwd = ex.weight_grads(xi, dgu, down)
             return (dx, drw, dwg.at[e].add(gwgu[:, :ex.f]), dwu.at[e].add(gwgu[:, ex.f:]),
                     dwd.at[e].add(gwd))
@@ -344,10 +376,11 @@ def block_expert_mlp_accumulate(acc, gy, x, token, row_weight, w_gate, w_up, w_d
 
 
 def _block_expert_mlp_bwd(fp8, amax, res, gy):
+    *res, sc = res
     x, token, row_weight, w_gate, w_up, w_down, bounds = res
     zeros = tuple(jnp.zeros((math.prod(x.shape[:-1]), x.shape[-1]) if a is x else a.shape,
                             jnp.float32) for a in (x, row_weight, w_gate, w_up, w_down))
-    dx, drw, dwg, dwu, dwd = block_expert_mlp_accumulate(zeros, gy, *res, fp8, amax)
+    dx, drw, dwg, dwu, dwd = block_expert_mlp_accumulate(zeros, gy, *res, fp8, amax, sc)
     return (dx.astype(x.dtype).reshape(x.shape), None, drw.astype(row_weight.dtype),
             dwg.astype(w_gate.dtype), dwu.astype(w_up.dtype), dwd.astype(w_down.dtype), None)
 
