@@ -153,8 +153,10 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="no
     outputs is made; weight gradients are added in place into float32 [E, ...] accumulators.
     The backward recomputes each block's gate/up matmul (tensorwise: the down one too), so the
     kernel's residuals are its inputs and the layer scan stacks none of its activations. The
-    router weight multiplies each slot's output; its gradient is rowsum((g @ Wd^T) * h)
-    (tensorwise: rowsum(g * output), `_Expert.backward_rows`). Why this shape and not
+    router weight multiplies each slot's hidden (tensorwise: its output, so that one scale
+    covers all of h, as in the ragged kernel and at the all-to-all senders); its gradient is
+    rowsum((g @ Wd^T) * h) (tensorwise: rowsum(g * output), `_Expert.backward_rows`). Why
+    this shape and not
     ragged_dot or a batched matmul: docs/performance.md, Grouped matmul.
     fp8 (precision.fp8): tensorwise / blockwise run every matmul of a step on E4M3 operands
     (kernels/fp8.py; gate and up quantised apart; the weight gradients' token tiles are the
@@ -328,9 +330,10 @@ def _block_expert_mlp_fwd(x, token, row_weight, w_gate, w_up, w_down, bounds, fp
             tok, w = _rows(token, i, m), _rows(row_weight, i, m)[:, None]
             gu = ex.gate_up(x[tok])
             h = jax.nn.silu(gu[:, :ex.f]) * gu[:, ex.f:]
-            # the router weight applies to the output, as in the ragged kernel and the
-            # all-to-all transport (whose senders weight): every path quantises the same h
-            return y.at[tok].add(ex.down(h.astype(x.dtype)) * w)
+            if fp8 == "tensorwise":  # one scale for all of h: the router weight goes on the
+                # output, as in the ragged kernel and at the all-to-all senders
+                return y.at[tok].add(ex.down(h.astype(x.dtype)) * w)
+            return y.at[tok].add(ex.down((h * w).astype(x.dtype)))
         return _over_blocks(bounds[e], bounds[e + 1], block, carry)
     y = jax.lax.fori_loop(0, w_down.shape[0], expert,
                           jnp.zeros((x.shape[0], w_down.shape[2]), jnp.float32))

@@ -286,8 +286,9 @@ def _routing(t=96, e=4, k=2, seed=6):
 
 
 def _reference_moe(x, idx, weights, wg, wu, wd, mode):
-    """The ungrouped SwiGLU experts through fp8_dot, weighted after the down projection as
-    the kernels do: [T, D] float32."""
+    """The ungrouped SwiGLU experts through fp8_dot, weighted after the down projection (the
+    ragged kernel; the blocked one weights the hidden, which 1x128 row tiles quantise alike):
+    [T, D] float32."""
     y, idx = jnp.zeros(x.shape, jnp.float32), np.asarray(idx)  # concrete: rows picked in numpy
     for e in range(wg.shape[0]):
         for j in range(idx.shape[1]):
