@@ -185,6 +185,10 @@ def check(overrides, reference, num_devices=8):
                                   ref_metrics["dropped_fraction_by_layer"])
     np.testing.assert_allclose(metrics["router_entropy"], ref_metrics["router_entropy"],
                                rtol=1e-5)
+    # per MoE layer: pipelined, the root of the microbatches' mean square (a plain mean of
+    # their RMS values was 8.9e-5 apart on pipeline2_data4)
+    np.testing.assert_allclose(metrics["activation_rms"], ref_metrics["activation_rms"],
+                               rtol=1e-5)
     flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
     flat = jax.tree.leaves(grads)
     assert len(flat) == len(flat_ref)

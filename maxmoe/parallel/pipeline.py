@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxmoe.model.row_groups import MAXED
+from maxmoe.model.row_groups import MAXED, ROOT_MEAN_SQUARE
 from maxmoe.model.spec import PipelineSchedule
 from maxmoe.sharding import (
     current_mesh,
@@ -64,12 +64,12 @@ from maxmoe.sharding import (
 )
 
 # aux values summed over microbatches (then averaged, expert_load kept a sum), or maxed
-# (row_groups.MAXED: dispatch_rounds, the rounds the worst microbatch needed); other per-token
-# outputs are dropped. The losses' inputs (z, sequence, load, affinity) are sums or means over
-# equal groups of rows (model/router.py), so they equal the whole batch's; activation_rms,
-# router_entropy and dropped_fraction (metrics only) are means of the microbatches' values
-# (router_entropy and dropped_fraction: exactly the batch's, as each microbatch has as many
-# tokens); dispatch_rounds is their max (the rounds the worst microbatch needed).
+# (row_groups.MAXED: dispatch_rounds, the rounds the worst microbatch needed), or squared,
+# summed and rooted (row_groups.ROOT_MEAN_SQUARE: activation_rms), as row groups and gradient
+# accumulation combine them; other per-token outputs are dropped. The losses' inputs (z,
+# sequence, load, affinity) are sums or means over equal groups of rows (model/router.py), so
+# they equal the whole batch's; router_entropy, dropped_fraction and activation_rms (metrics
+# only) are exactly the batch's too, as each microbatch has as many tokens.
 _AUX_KEYS = ("z_loss", "sequence_balance_loss", "expert_load", "router_affinity",
              "router_entropy", "activation_rms", "dropped_fraction", "dispatch_rounds")
 
@@ -349,20 +349,23 @@ _unpack.defvjp(lambda w, dtype: (_halves(w, dtype), None), lambda dtype, _, g: (
 
 def _aux_add(key: str, acc, weight, value):
     """acc [P, V, ...] with one iteration's aux value [P, ...] added where weight [P, V] (0 or
-    1: the stage's pass is a real microbatch) is 1: summed, or maxed for MAXED keys (their
-    values are >= 0, so a 0 weight leaves acc)."""
-    term = jnp.einsum("pv,p...->pv...", weight, value.astype(jnp.float32))
+    1: the stage's pass is a real microbatch) is 1: summed (ROOT_MEAN_SQUARE keys: their
+    squares), or maxed for MAXED keys (their values are >= 0, so a 0 weight leaves acc)."""
+    value = value.astype(jnp.float32)
+    value = jnp.square(value) if key in ROOT_MEAN_SQUARE else value
+    term = jnp.einsum("pv,p...->pv...", weight, value)
     return jnp.maximum(acc, term) if key in MAXED else acc + term
 
 
 def _natural_aux(aux_sum: dict, table: list[list[int]], m: int) -> dict:
     """aux [P, V, slots, ...] summed (or maxed) over m microbatches -> the mean (expert_load:
-    the sum; MAXED: the max) of each real layer, in natural layer order [L, ...]; padding
-    slots dropped."""
+    the sum; MAXED: the max; ROOT_MEAN_SQUARE: the root of the mean of the summed squares) of
+    each real layer, in natural layer order [L, ...]; padding slots dropped."""
     flat = np.asarray(table).reshape(-1)
     where = jnp.asarray(np.argsort(np.where(flat >= 0, flat, flat.size))[:int((flat >= 0).sum())])
     out = {}
     for k, a in aux_sum.items():
         a = jnp.take(a.reshape(-1, *a.shape[3:]), where, axis=0)
-        out[k] = a if k == "expert_load" or k in MAXED else a / m  # a count, a max
+        out[k] = (a if k == "expert_load" or k in MAXED  # a count, a max
+                  else jnp.sqrt(a / m) if k in ROOT_MEAN_SQUARE else a / m)
     return out

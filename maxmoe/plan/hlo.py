@@ -107,19 +107,20 @@ def close_bracket(text: str, start: int) -> int:
 
 
 def attr(attrs: str, key: str) -> str | None:
-    """The value text of `key=` in an attribute list (bracket-balanced), None if absent."""
+    """The value text of `key=` in an attribute list (bracket-balanced; "" when the list ends
+    at the `=`), None if absent."""
     m = re.search(rf"(?:^|[\s,]){key}=", attrs)
     if not m:
         return None
     i = m.end()
-    if attrs[i] in "{[(":
+    if attrs[i:i + 1] in ("{", "[", "("):
         end = close_bracket(attrs, i) + 1
         if attrs[i] == "[" and attrs[end:end + 2] == "<=":  # iota form [G,N]<=[dims]T(perm)
             end = close_bracket(attrs, end + 2) + 1
             if attrs[end:end + 2] == "T(":
                 end = close_bracket(attrs, end + 1) + 1
         return attrs[i:end]
-    return re.match(r"[^,\s]+", attrs[i:]).group(0)
+    return re.match(r"[^,\s]*", attrs[i:]).group(0)
 
 
 def parameter_number(ins: Instr) -> int | None:

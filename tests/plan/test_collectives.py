@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from maxmoe.bench import synthetic_batch
 from maxmoe.plan.collectives import collective_bytes, replica_groups, summarize
-from maxmoe.plan.hlo import parse_instruction, shape_bytes
+from maxmoe.plan.hlo import attr, parse_instruction, shape_bytes
 from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.setup import prepare_run
 from maxmoe.validation import validate
@@ -186,3 +186,14 @@ def test_partition_ids_follow_the_mesh_order_not_device_ids():
     sent = 2 * (2 - 1) / 2 * 2 * 2 * F32
     assert (axis, kind) == ("data", "all-reduce")
     assert (ici, dcn) == pytest.approx((sent, 0.0), rel=1e-9)
+
+
+def test_attr_reads_values_bracketed_plain_empty_and_absent():
+    """hlo.attr: a bracket-balanced value, a plain one, the iota replica-group form, an empty
+    value at the end of the list (was an IndexError), and a key that is not there."""
+    attrs = "replica_groups={{0,1},{2,3}}, channel_id=5, dims=[2,4]<=[8]T(1,0), to_apply="
+    assert attr(attrs, "replica_groups") == "{{0,1},{2,3}}"
+    assert attr(attrs, "channel_id") == "5"
+    assert attr(attrs, "dims") == "[2,4]<=[8]T(1,0)"
+    assert attr(attrs, "to_apply") == ""
+    assert attr(attrs, "index") is None
