@@ -28,7 +28,7 @@ from jax.sharding import SingleDeviceSharding
 
 from maxmoe.config import load_config
 from maxmoe.kernels.fp8 import fp8_dot
-from maxmoe.kernels.grouped_matmul import fp8_ragged_dot
+from maxmoe.kernels.fp8_ragged import fp8_ragged_dot
 from maxmoe.plan.gpu_aot import gpu_devices
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer

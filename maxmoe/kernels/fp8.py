@@ -56,6 +56,12 @@ def scale_of(amax: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
     return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
 
 
+def expert_scales(w: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+    """Tensorwise scales of stacked expert weights w [E, ...]: float32 [E], one per expert, each
+    amax reduced over the mesh axes `axes` that split it."""
+    return scale_of(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=tuple(range(1, w.ndim))), axes)
+
+
 def quantize_with(x: jax.Array, scale: jax.Array) -> jax.Array:
     """x / scale in E4M3, clipped to +-448 (scale broadcast against x)."""
     return jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
@@ -160,13 +166,11 @@ def _tile(mode: str, tile: tuple[int, int]) -> tuple[int, int] | None:
 
 
 def scaled_matmul(a: jax.Array, qb: jax.Array, sb: jax.Array, mode: str,
-                  b_tile: int = BLOCK, axes: tuple[str, ...] = ()) -> jax.Array:
+                  b_tile: int = BLOCK) -> jax.Array:
     """fp8_matmul with b already quantised (qb [K, N] E4M3, sb its scales in 128 x b_tile
-    blocks, or [1, 1] for tensorwise): a is quantised here (tensorwise: its amax reduced over
-    the mesh axes `axes`). float32 [M, N]."""
+    blocks, or [1, 1] for tensorwise): a is quantised here. float32 [M, N]."""
     if mode == "tensorwise":
-        qa, sa = quantize_whole(a, axes)
-        return jnp.dot(qa, qb, preferred_element_type=jnp.float32) * (sa[0, 0] * sb[0, 0])
+        return _whole_product(*quantize_whole(a), qb, sb)
     (m, k), n = a.shape, qb.shape[1]
     kb = -(-k // BLOCK)
     qa, sa = quantize(a, (1, BLOCK))  # sa [M, KB]
@@ -227,13 +231,14 @@ def fp8_dot(x: jax.Array, w: jax.Array, mode: str, amax: AmaxAxes = NO_AXES) -> 
 
 def _fp8_dot_fwd(x, w, mode, amax):
     x2 = x.reshape(-1, x.shape[-1])
-    if mode == "tensorwise":
+    if mode == "tensorwise":  # x quantised once: for the product and as the residual
         qw, sw = quantize_whole(w, amax.weights)
+        xres = quantize_whole(x2, amax.rows)
+        y = _whole_product(*xres, qw, sw)
     else:
         qw, sw = quantize(w, (BLOCK, BLOCK))
-    y = scaled_matmul(x2, qw, sw, mode, axes=amax.rows)
+        y, xres = scaled_matmul(x2, qw, sw, mode), x2
     y = y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[1])
-    xres = quantize_whole(x2, amax.rows) if mode == "tensorwise" else x2
     # zero-size arrays carry the dtypes (residuals must be arrays)
     return y, (xres, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
@@ -241,14 +246,18 @@ def _fp8_dot_fwd(x, w, mode, amax):
 def _fp8_dot_bwd(mode, amax, res, g):
     xres, qw, sw, xdt, wdt = res
     g2 = g.reshape(-1, g.shape[-1])
-    dx = scaled_matmul(g2, qw.T, sw.T, mode, axes=amax.rows)
-    if mode == "tensorwise":
-        qx, sx = xres
-        qg, sg = quantize_whole(g2, amax.rows)
-        dw = jnp.dot(qx.T, qg, preferred_element_type=jnp.float32) * (sx[0, 0] * sg[0, 0])
+    if mode == "tensorwise":  # g quantised once, for both products
+        (qx, sx), (qg, sg) = xres, quantize_whole(g2, amax.rows)
+        dx, dw = _whole_product(qg, sg, qw.T, sw.T), _whole_product(qx.T, sx, qg, sg)
     else:
+        dx = scaled_matmul(g2, qw.T, sw.T, mode)
         dw = fp8_matmul(xres.T, g2, mode, b_tile=1)
     return dx.astype(xdt.dtype).reshape(*g.shape[:-1], qw.shape[0]), dw.astype(wdt.dtype)
+
+
+def _whole_product(qa, sa, qb, sb):
+    """qa @ qb of E4M3 operands with [1, 1] scales, rescaled: float32."""
+    return jnp.dot(qa, qb, preferred_element_type=jnp.float32) * (sa[0, 0] * sb[0, 0])
 
 
 fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

@@ -34,12 +34,8 @@ from maxmoe.kernels.fp8 import (
     project,
     quantize,
 )
-from maxmoe.kernels.grouped_matmul import (
-    block_expert_mlp,
-    blocked_rows,
-    dropless_local,
-    fp8_ragged_dot,
-)
+from maxmoe.kernels.fp8_ragged import fp8_ragged_dot
+from maxmoe.kernels.grouped_matmul import block_expert_mlp, blocked_rows, dropless_local
 from maxmoe.parallel.experts import routed_experts
 from maxmoe.sharding import make_mesh, named, use_mesh
 from maxmoe.train.checkpoint import Checkpointer
