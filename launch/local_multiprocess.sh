@@ -8,7 +8,8 @@
 # N: processes. On CPU give each process its devices with mesh.cpu_devices=K (the global mesh
 # then has N*K devices). On a multi-GPU box each process sees all GPUs unless you restrict
 # them (CUDA_VISIBLE_DEVICES per process is not set here).
-# Env: MAXMOE_COORDINATOR_PORT (default: a free port), MAXMOE_LOG_DIR (default: no per-process
+# Env: PYTHON (the interpreter that has maxmoe installed; default: python3 on PATH),
+# MAXMOE_COORDINATOR_PORT (default: a free port), MAXMOE_LOG_DIR (default: no per-process
 # log files; process i>0 output goes to $MAXMOE_LOG_DIR/process_i.log when set).
 # Exit code: the first non-zero exit code of any process (75 = preempted by SIGTERM after a
 # save; run again to resume), else 0; each non-zero exit is reported on stderr as
@@ -16,12 +17,13 @@
 set -euo pipefail
 
 if [[ $# -lt 2 ]]; then
-  sed -n '2,15p' "$0"
+  sed -n '2,16p' "$0"
   exit 2
 fi
 num_processes=$1
 shift
-port=${MAXMOE_COORDINATOR_PORT:-$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+python=${PYTHON:-python3}
+port=${MAXMOE_COORDINATOR_PORT:-$("$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 
 pids=()
 forward() { for pid in "${pids[@]}"; do kill -s "$1" "$pid" 2>/dev/null || true; done; }
@@ -32,9 +34,9 @@ for ((i = 0; i < num_processes; i++)); do
   export MAXMOE_COORDINATOR=127.0.0.1:$port MAXMOE_NUM_PROCESSES=$num_processes MAXMOE_PROCESS_ID=$i
   if [[ -n "${MAXMOE_LOG_DIR:-}" && $i -gt 0 ]]; then
     mkdir -p "$MAXMOE_LOG_DIR"
-    python3 -m maxmoe.cli "$@" >"$MAXMOE_LOG_DIR/process_$i.log" 2>&1 &
+    "$python" -m maxmoe.cli "$@" >"$MAXMOE_LOG_DIR/process_$i.log" 2>&1 &
   else
-    python3 -m maxmoe.cli "$@" &
+    "$python" -m maxmoe.cli "$@" &
   fi
   pids+=($!)
 done

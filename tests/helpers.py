@@ -25,8 +25,14 @@ def small_config(*overrides: str):
     return cfg, origins
 
 
-def random_batch(cfg, seed: int = 0, docs_per_row: int = 3) -> dict[str, np.ndarray]:
-    """Rows of several packed documents of random lengths, with a padded tail."""
+def random_batch(cfg, seed: int = 0, docs_per_row: int = 3,
+                 distinct_neighbours: bool = False) -> dict[str, np.ndarray]:
+    """Rows of several packed documents of random lengths, with a padded tail.
+
+    distinct_neighbours: no token equals the one before it. A document (or the padding) that
+    opens with a repeated token gives both positions the same hidden state (attention averages
+    equal values), so their router weights tie exactly, and a ranking by router weight (the
+    probability drop policy) then orders them by float32 rounding, which differs per layout."""
     rng = np.random.default_rng(seed)
     b, s = cfg.data.global_batch_size, cfg.data.seq_len
     segment_ids = np.zeros((b, s), np.int32)
@@ -38,6 +44,9 @@ def random_batch(cfg, seed: int = 0, docs_per_row: int = 3) -> dict[str, np.ndar
             segment_ids[r, lo:hi] = i + 1
             positions[r, lo:hi] = np.arange(hi - lo)
     tokens = rng.integers(1, cfg.model.vocab_size, (b, s)).astype(np.int32)
+    for j in range(1, s) if distinct_neighbours else ():  # the next id up, wrapping past 0
+        repeat = tokens[:, j] == tokens[:, j - 1]
+        tokens[repeat, j] = tokens[repeat, j] % (cfg.model.vocab_size - 1) + 1
     targets = np.where(segment_ids > 0, rng.integers(1, cfg.model.vocab_size, (b, s)), 0)
     return dict(tokens=tokens, targets=targets.astype(np.int32), segment_ids=segment_ids,
                 positions=positions, loss_mask=(segment_ids > 0).astype(np.float32))

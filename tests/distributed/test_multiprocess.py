@@ -60,7 +60,8 @@ def restore_on(run_dir, num_devices, **mesh):
 
 @pytest.mark.slow
 def test_sigterm_to_one_process_saves_everywhere_and_restores_in_one(tmp_path):
-    env = dict(os.environ, MAXMOE_CACHE=str(tmp_path / "cache"))
+    # the launcher starts the Python running this test, not whichever python3 is on PATH
+    env = dict(os.environ, MAXMOE_CACHE=str(tmp_path / "cache"), PYTHON=sys.executable)
     env.pop("XLA_FLAGS", None)
     run_dir = tmp_path / "run"
     launcher = subprocess.Popen(
