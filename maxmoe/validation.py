@@ -307,11 +307,13 @@ def resolve_mesh_shape(cfg: Config, num_devices: int, origins: dict[str, str]) -
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if free:
         if num_devices % fixed:
-            a = free[0]
-            fail(f"mesh.{a}", -1, origins.get(f"mesh.{a}", "defaults"),
-                  f"the other axes multiply to {fixed}, which does not divide {num_devices} "
-                  "devices",
-                  "change the axis sizes so their product divides the device count")
+            # name a set axis that does not divide the devices (the -1 axis is not at fault)
+            given = [a for a in MESH_AXES if sizes[a] > 1]
+            a = next((a for a in given if num_devices % sizes[a]), given[-1])
+            fail(f"mesh.{a}", sizes[a], origins.get(f"mesh.{a}", "defaults"),
+                 f"the set axes multiply to {fixed}, which does not divide {num_devices} devices "
+                 f"(mesh.{free[0]} = -1 takes the rest)",
+                 "change the axis sizes so their product divides the device count")
         sizes[free[0]] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items())

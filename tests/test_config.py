@@ -380,8 +380,11 @@ def test_two_minus_one_axes(base):
 
 
 def test_minus_one_cannot_fill_when_other_axes_do_not_divide(base):
+    """The error names the set axis that does not divide the devices, not the -1 axis."""
     msg = error(load_validate, [base], ["mesh.data=-1", "mesh.fsdp=3"])
-    check(msg, "mesh.data", -1, CMD, "multiply to 3, which does not divide 8 devices")
+    check(msg, "mesh.fsdp", 3, CMD, "multiply to 3, which does not divide 8 devices")
+    msg = error(load_validate, [base], ["mesh.data=-1", "mesh.fsdp=2", "mesh.expert=3"])
+    check(msg, "mesh.expert", 3, CMD, "multiply to 6, which does not divide 8 devices")
 
 
 @pytest.mark.parametrize("size", [0, -2])

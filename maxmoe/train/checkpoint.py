@@ -214,30 +214,6 @@ class Checkpointer:
             **{item: ocp.args.JsonRestore()}))
         return restored[item]
 
-    def layout_mismatch(self, step: int, abstract_state: Any, config: dict | None = None
-                        ) -> str | None:
-        """Why step's saved state has another layout than abstract_state (keys or shapes;
-        a dtype change is not one: Orbax casts on restore), naming the config keys that differ
-        from `config` where the step saved its config; None if the layouts agree or the
-        metadata cannot be read (restore then reports the step)."""
-        try:
-            saved = _saved_shapes(self.directory / str(step))
-        except Exception:  # noqa: BLE001 - unreadable metadata: a corrupt step, not a layout
-            return None
-        want = _shapes(abstract_state)
-        if saved == want:
-            return None
-        params_first = sorted(saved.keys() | want.keys(), key=lambda k: (k[:7] != "params/", k))
-        diffs = _shape_diffs(saved, want, params_first, "now")
-        what = f"{len(diffs)} arrays differ, e.g. {diffs[0]}"
-        saved_config = self.read_json(step, CONFIG) if config is not None else None
-        if saved_config is not None:
-            keys = [f"{k} (saved {v!r}, now {now!r})" for k, (v, now) in
-                    _config_diff(saved_config, config).items() if not k.startswith("run.")]
-            if keys:
-                what = f"config keys differ: {', '.join(keys[:6])}; {what}"
-        return what
-
     def resume(self, abstract_state: Any, new_iterator: Callable[[], Any] | None = None,
                meta: dict | None = None, config: dict | None = None) -> Resumed | None:
         """Restores the newest step that reads back; None if there is none (start fresh).
@@ -248,19 +224,12 @@ class Checkpointer:
         train loop skips `step` batches). A step that fails to restore is named in a warning
         and moved to `<dir>.quarantine/`, and the next older step is tried. All processes
         agree on each outcome, so they resume from the same step. A step saved for another
-        layout (see layout_mismatch; `config`: this run's resolved config) raises ConfigError.
+        layout (`refuse_other_layout`; `config`: this run's resolved config) raises ConfigError.
         """
         self._manager.wait_until_finished()
         quarantined = []
         for step in reversed(self.all_steps()):
-            mismatch = self.layout_mismatch(step, abstract_state, config)
-            if mismatch is not None:
-                saved = self.directory / str(step) / CONFIG
-                where = f" (its values are in {saved})" if saved.is_dir() else ""
-                raise ConfigError(
-                    f"checkpoint {self.directory / str(step)} was saved for another model "
-                    f"layout than this config builds ({mismatch}); resume with the config it "
-                    f"was saved with{where}, or set run.dir to a new directory")
+            refuse_other_layout(self.directory / str(step), abstract_state, config)
             iterator = new_iterator() if new_iterator is not None else None
             try:
                 state, _ = self.restore(abstract_state, step=step)
@@ -311,6 +280,55 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def committed_steps(directory: str | Path) -> list[int]:
+    """The committed steps under a checkpoint directory, oldest first, read from its listing
+    alone (Orbax renames a step's tmp directory to the bare number once it is committed)."""
+    directory = Path(directory).expanduser().resolve()
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def refuse_other_layout(step_dir: Path, abstract_state: Any, config: dict | None = None) -> bool:
+    """Raises ConfigError when a step's saved state has other keys or shapes than
+    abstract_state (a dtype change is not one: Orbax casts on restore), naming the config keys
+    that differ from `config` where the step saved its config; else True, or False when its
+    metadata does not read back (a corrupt step, not a layout: restore reports it). Reads
+    metadata only and opens no CheckpointManager."""
+    try:
+        saved = _saved_shapes(step_dir)
+    except Exception:  # noqa: BLE001 - unreadable metadata: a corrupt step, not a layout
+        return False
+    want = _shapes(abstract_state)
+    if saved == want:
+        return True
+    params_first = sorted(saved.keys() | want.keys(), key=lambda k: (k[:7] != "params/", k))
+    diffs = _shape_diffs(saved, want, params_first, "now")
+    what = f"{len(diffs)} arrays differ, e.g. {diffs[0]}"
+    where = ""
+    if (step_dir / CONFIG).is_dir():
+        where = f" (its values are in {step_dir / CONFIG})"
+        if config is not None:
+            saved_config = ocp.JsonCheckpointHandler().restore(step_dir / CONFIG)
+            keys = [f"{k} (saved {v!r}, now {now!r})" for k, (v, now) in
+                    _config_diff(saved_config, config).items() if not k.startswith("run.")]
+            if keys:
+                what = f"config keys differ: {', '.join(keys[:6])}; {what}"
+    raise ConfigError(f"checkpoint {step_dir} was saved for another model layout than this "
+                      f"config builds ({what}); resume with the config it was saved "
+                      f"with{where}, or set run.dir to a new directory")
+
+
+def check_resumable(directory: str | Path, abstract_state: Any, config: dict) -> None:
+    """Raises the ConfigError `Checkpointer.resume` would raise for a step saved for another
+    layout, before anything is written: the committed steps newest first, up to the first whose
+    layout agrees. Read-only (no manager: nothing is created, cleaned or moved)."""
+    directory = Path(directory).expanduser().resolve()
+    for step in reversed(committed_steps(directory)):
+        if refuse_other_layout(directory / str(step), abstract_state, config):
+            return  # of this layout: resume starts here (an unreadable step: the next older)
 
 
 def restore_params(step_dir: str | Path, abstract_state: Any) -> dict:

@@ -102,8 +102,8 @@ def check_architecture(cfg: Config, source: InitSource) -> list[str]:
 def needs_init_from(cfg: Config) -> bool:
     """Whether the run will read train.init_from: it is set and run.dir has no committed
     checkpoint steps of its own (those win: the run resumes from them)."""
-    own = Path(cfg.run.dir) / "checkpoints"
-    return bool(cfg.train.init_from) and not any(p.name.isdigit() for p in own.glob("*"))
+    return bool(cfg.train.init_from) and not checkpoint.committed_steps(
+        Path(cfg.run.dir) / "checkpoints")
 
 
 def open_init_source(cfg: Config) -> InitSource:

@@ -56,7 +56,7 @@ from maxmoe.metrics.writers import Background, MetricsWriter, Sink
 from maxmoe.model.spec import moe_layer_indices
 from maxmoe.plan.live import live_cluster, write_plan
 from maxmoe.sharding import global_batch, use_mesh
-from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
+from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer, check_resumable
 from maxmoe.train.evaluate import Evaluator, model_tokenizer
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
@@ -157,19 +157,22 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     """Trains to cfg.train.steps (resuming from the run directory, else starting from
     train.init_from's weights where set); returns a summary.
     cluster: the --cluster spec that prices <run.dir>/plan.json (default: the devices' kind)."""
-    plan_cluster = live_cluster(cluster)  # a bad spec fails before the run dir is made
-    check_wandb(cfg.logging)  # so does W&B asked for without its package
-    # so does a train.init_from that does not match (unless the run's own checkpoints win)
+    # every check before the first write: a refused start leaves run.dir as it was
+    plan_cluster = live_cluster(cluster)  # a bad --cluster spec
+    check_wandb(cfg.logging)  # W&B asked for without its package
+    # a train.init_from that does not match (unless the run's own checkpoints win)
     init = _open_init(cfg) if needs_init_from(cfg) else None
-    run_dir = _open_run_dir(cfg)
     tokenizer = model_tokenizer(cfg)
-    if jax.process_index() == 0:  # generate and eval open <run.dir>/tokenizer
-        save_tokenizer(tokenizer, run_dir / RUN_TOKENIZER_DIR)
     dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
                            process_count=jax.process_count())
     setup = prepare_run(cfg, mesh_sizes)
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     layout, config_json = data_layout(cfg), to_dict(cfg)
+    ckpt_dir = Path(cfg.run.dir).resolve() / "checkpoints"
+    check_resumable(ckpt_dir, setup.trainer.abstract_state, config_json)  # another layout
+    run_dir = _open_run_dir(cfg)
+    if jax.process_index() == 0:  # generate and eval open <run.dir>/tokenizer
+        save_tokenizer(tokenizer, run_dir / RUN_TOKENIZER_DIR)
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
     preemption = _Preemption(ckpt)  # from here on, SIGTERM means: save after the next step
     state, start, data_iter, resume_s = _resume(ckpt, setup, dataset, layout, config_json, init)
     total = cfg.train.steps
