@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from maxmoe.config import Config, ConfigError, fail
-from maxmoe.data.pipeline import make_dataset
+from maxmoe.data.pipeline import batch_spec, make_dataset
 from maxmoe.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
 from maxmoe.model.transformer import LossShare, loss_token_counts
 from maxmoe.sharding import global_batch, use_mesh
@@ -39,7 +40,7 @@ from maxmoe.train.setup import RunSetup
 class Evaluation:
     """What one evaluation measured."""
     loss: float  # next-token cross-entropy summed over all loss tokens / their count, nats
-    batches: int  # batches read (fewer than asked when the split ends first)
+    batches: int  # global batches run (fewer than asked when every process's split ends first)
     tokens: int  # positions run through the model: batches x global batch x seq_len
     seconds: float  # wall time of the batches (reading data included), compile excluded
     compile_seconds: float  # compiling the forward on this call (0.0 once compiled)
@@ -84,9 +85,7 @@ class Evaluator:
         sums, compile_s = [], 0.0
         t = time.perf_counter()
         with use_mesh(self.trainer.mesh, self.trainer.rules):
-            for i, local in enumerate(self.dataset):
-                if i == self.cfg.train.eval_batches:
-                    break
+            for local in self._batches():
                 batch = global_batch(local, self.trainer.batch_sharding)
                 if self._compiled is None:
                     c = time.perf_counter()
@@ -98,6 +97,27 @@ class Evaluator:
         seconds = time.perf_counter() - t - compile_s
         tokens = len(sums) * self.cfg.data.global_batch_size * self.cfg.data.seq_len
         return Evaluation(loss, len(sums), tokens, seconds, compile_s, int(count))
+
+
+    def _batches(self):
+        """This process's local batches, as many on every process: up to train.eval_batches,
+        while any process still has one; a process whose split ran out feeds empty rows
+        (loss_mask 0, which count for nothing) so every process joins each global forward."""
+        rows = iter(self.dataset)
+        empty = {k: np.zeros(shape, dtype) for k, (shape, dtype) in
+                 batch_spec(self.cfg.data, jax.process_count()).items()}
+        for _ in range(self.cfg.train.eval_batches):
+            local = next(rows, None)
+            if not _any_process(local is not None):
+                return
+            yield empty if local is None else local
+
+
+def _any_process(mine: bool) -> bool:
+    """Whether `mine` is true on any process (every process must call it)."""
+    if jax.process_count() == 1:
+        return mine
+    return bool(np.any(multihost_utils.process_allgather(np.int32(mine))))
 
 
 def model_tokenizer(cfg: Config):

@@ -103,13 +103,14 @@ def free_port() -> int:
 
 
 class Process:
-    """`maxmoe train` as process `index` of a job on 127.0.0.1; output lines collected with
-    the time they arrived."""
+    """`maxmoe VERB` (train by default) as process `index` of a job on 127.0.0.1; output lines
+    collected with the time they arrived."""
 
-    def __init__(self, index: int, count: int, port: int, items: list[str], env: dict):
+    def __init__(self, index: int, count: int, port: int, items: list[str], env: dict,
+                 verb: str = "train"):
         env = dict(env, MAXMOE_COORDINATOR=f"127.0.0.1:{port}", MAXMOE_NUM_PROCESSES=str(count),
                    MAXMOE_PROCESS_ID=str(index))
-        self.proc = subprocess.Popen([sys.executable, "-m", "maxmoe.cli", "train", *items],
+        self.proc = subprocess.Popen([sys.executable, "-m", "maxmoe.cli", verb, *items],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self.lines: list[tuple[float, str]] = []
