@@ -26,9 +26,14 @@ def check_wandb(lg: LoggingConfig) -> None:
              "installed", "pip install 'maxmoe[wandb]', or set logging.wandb_project=''")
 
 
+RUN_ID_FILE = "wandb_run_id"  # in run.dir: the W&B run every restart of the job resumes
+
+
 class WandbWriter:
     """One W&B run in <run_dir>/wandb, logged against the training step (the metric "step",
-    so that steps repeated after a guard rollback are kept, not dropped as out of order)."""
+    so that steps repeated after a guard rollback are kept, not dropped as out of order).
+    Its id is kept in <run_dir>/wandb_run_id, so a job restarted (preemption, crash) logs
+    into the same W&B run."""
 
     def __init__(self, cfg: Config, run_dir: Path):
         # imported here, not at the top: an optional extra (check_wandb names it) that takes
@@ -36,9 +41,13 @@ class WandbWriter:
         import wandb
 
         self.wandb = wandb
+        id_file = run_dir / RUN_ID_FILE
+        if not id_file.is_file():
+            id_file.write_text(wandb.util.generate_id() + "\n")
         self.run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
                               dir=str(run_dir), name=cfg.run.name or run_dir.name,
-                              config=to_dict(cfg),
+                              config=to_dict(cfg), id=id_file.read_text().strip(),
+                              resume="allow",
                               # console off: W&B would otherwise wrap sys.stdout/stderr, under
                               # the progress bar and every other thread's output
                               settings=wandb.Settings(silent=True, console="off"))

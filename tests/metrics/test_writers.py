@@ -4,17 +4,19 @@ run that writes tensorboard/ and events.jsonl."""
 
 import json
 import struct
+import sys
+import types
 
 import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from maxmoe.config import ConfigError, GuardConfig, LoggingConfig
+from maxmoe.config import Config, ConfigError, GuardConfig, LoggingConfig
 from maxmoe.metrics import progress as progress_mod
 from maxmoe.metrics.events import EventLog
 from maxmoe.metrics.progress import Progress, duration, progress_metrics, si
 from maxmoe.metrics.tensorboard import Heatmap, TensorBoardWriter, flatten
-from maxmoe.metrics.wandb_writer import check_wandb
+from maxmoe.metrics.wandb_writer import RUN_ID_FILE, WandbWriter, check_wandb
 from maxmoe.metrics.writers import Background, MetricsWriter
 from maxmoe.train.guards import Action, Guard
 from tests.helpers import small_config
@@ -249,3 +251,25 @@ def test_tensorboard_drops_redone_steps_after_a_resume_or_rollback(tmp_path):
     starts = [e.step for e in read_events(tmp_path)
               if e.session_log.status == event_pb2.SessionLog.START]
     assert starts == [5, 6]
+
+
+def test_wandb_restarts_resume_the_same_run(tmp_path, monkeypatch):
+    """A restarted job (a new WandbWriter on the same run.dir) logs into the W&B run the first
+    start created: the id kept in <run.dir>/wandb_run_id, with resume="allow". A fake wandb
+    module stands in for the optional extra and records what init was given."""
+    calls, ids = [], iter(["first01", "second2"])
+    run = types.SimpleNamespace(define_metric=lambda *a, **k: None)
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or run,
+                                 util=types.SimpleNamespace(generate_id=lambda: next(ids)),
+                                 Settings=lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = Config(logging=LoggingConfig(wandb_project="p"))
+    for _ in range(2):
+        WandbWriter(cfg, tmp_path)
+    assert [c["id"] for c in calls] == ["first01", "first01"]
+    assert all(c["resume"] == "allow" for c in calls)
+    assert (tmp_path / RUN_ID_FILE).read_text().strip() == "first01"
+    other = tmp_path / "other"
+    other.mkdir()
+    WandbWriter(cfg, other)  # another run directory: another run
+    assert calls[-1]["id"] == "second2"
