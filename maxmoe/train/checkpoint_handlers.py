@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,24 @@ def register_array_handler() -> None:
     current = ocp.type_handlers.get_type_handler(jax.Array)
     if isinstance(current, ArrayHandler):
         return
-    ocp.type_handlers.register_type_handler(jax.Array, ArrayHandler(
-        use_replica_parallel=False if jax.process_count() == 1 else None,
-        array_metadata_store=current._array_metadata_store),  # Orbax 0.12: no public getter
-        override=True)
+    # the override is deliberate: Orbax's absl warning about it would open every command
+    quiet = _Without("Type handler registry type")
+    logging.getLogger("absl").addFilter(quiet)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, ArrayHandler(
+            use_replica_parallel=False if jax.process_count() == 1 else None,
+            array_metadata_store=current._array_metadata_store),  # Orbax 0.12: no public getter
+            override=True)
+    finally:
+        logging.getLogger("absl").removeFilter(quiet)
+
+
+class _Without(logging.Filter):
+    """Drops the log records whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)

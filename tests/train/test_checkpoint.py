@@ -1,16 +1,19 @@
 """Checkpointer: async save/restore, iterator resume, retention, save cadence, resharding,
 crash debris and the missing-checkpoint error, on the 8 fake CPU devices from conftest."""
 
+import logging
 import shutil
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from maxmoe.config import CheckpointConfig
+from maxmoe.train import checkpoint_handlers
 from maxmoe.train.checkpoint import Checkpointer, abstract_like
 
 AUTO = jax.sharding.AxisType.Auto
@@ -260,3 +263,14 @@ def test_resume_with_another_model_layout_is_a_config_error_that_moves_nothing(
         "(64, 2, 16)" in err, err
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["3"]  # nothing moved or deleted
     assert not (tmp_path / "run" / "checkpoints.quarantine").exists()
+
+
+def test_registering_the_array_handler_logs_nothing(monkeypatch, caplog):
+    """maxmoe's jax.Array handler replaces Orbax's on purpose: Orbax's absl warning about the
+    override ("Type handler registry type ... overriding ...") is not printed by every command."""
+    default = ocp.type_handlers.ArrayHandler()  # as if nothing of maxmoe's were registered
+    monkeypatch.setattr(ocp.type_handlers, "get_type_handler", lambda ty: default)
+    with caplog.at_level(logging.INFO):
+        checkpoint_handlers.register_array_handler()
+    assert not [r for r in caplog.records if "Type handler registry" in r.getMessage()]
+    assert logging.getLogger("absl").filters == []  # the filter went with the call
