@@ -61,6 +61,12 @@ def duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
+def say(msg: str) -> None:
+    """One line to stderr, printed above a progress bar that is showing (not glued to it)."""
+    tqdm.write(msg, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def _number(v) -> float:
     return float("nan") if v is None else v  # a skipped step's loss may be non-finite (None)
 
@@ -69,10 +75,12 @@ class Progress:
     """Shows each logged record: a tqdm bar (steps, with loss, tokens/s, MFU, host share and
     tokens seen), or one stderr line with an ETA. Both start at the first logged step, which is
     the run's first (compiled) step, so compile time is not in the rate or the ETA; evaluation
-    and checkpoint time are (they recur until the end). Process 0 only."""
+    and checkpoint time are (they recur until the end). Without a terminal on stderr, lines
+replace the bar. Process 0 only."""
 
     def __init__(self, total_steps: int, bar: bool):
-        self.total, self.use_bar = total_steps, bar
+        # a bar needs a terminal: redirected to a file, its cursor codes would fill the log
+        self.total, self.use_bar = total_steps, bar and sys.stderr.isatty()
         self.bar = None
         self.first: tuple[int, float] | None = None  # (step, perf_counter) of the first record
         self.last_step = 0

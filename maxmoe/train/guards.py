@@ -33,7 +33,6 @@ logging windows in a row without a token; `Guard` names the experts dead for
 from __future__ import annotations
 
 import enum
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -44,6 +43,7 @@ import numpy as np
 
 from maxmoe.config import GuardConfig
 from maxmoe.metrics.events import EventLog
+from maxmoe.metrics.progress import say
 from maxmoe.metrics.router_health import dead_experts, describe_dead, load_stats
 
 # a plateau has a tiny spread: z-scores use at least 1% of the mean as the standard deviation,
@@ -135,9 +135,6 @@ class Decision:
     message: str = ""
 
 
-def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
 
 @dataclass
 class Guard:
@@ -151,7 +148,7 @@ class Guard:
     and the router health events also go to `events` (events.jsonl) with their kind.
     """
     cfg: GuardConfig
-    log: Callable[[str], None] = _stderr
+    log: Callable[[str], None] = say
     events: EventLog = field(default_factory=lambda: EventLog(None))
     warn_every: int = 100  # a threshold warning repeats at most once per this many steps
     rollbacks: int = 0

@@ -35,7 +35,6 @@ The run's tokenizer (with its chat template) is saved in <run.dir>/tokenizer/ at
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +48,7 @@ from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.events import EventLog
 from maxmoe.metrics.flops import mfu_peak
 from maxmoe.metrics.host import HostTiming
-from maxmoe.metrics.progress import Progress, progress_metrics
+from maxmoe.metrics.progress import Progress, progress_metrics, say
 from maxmoe.metrics.tensorboard import TensorBoardWriter
 from maxmoe.metrics.wandb_writer import WandbWriter, check_wandb
 from maxmoe.metrics.writers import Background, MetricsWriter, Sink
@@ -67,7 +66,7 @@ from maxmoe.train.setup import RunSetup, prepare_run
 
 def log(msg: str) -> None:
     if jax.process_index() == 0:
-        print(msg, file=sys.stderr, flush=True)
+        say(msg)
 
 
 class _Preemption:

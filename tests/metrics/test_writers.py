@@ -2,7 +2,9 @@
 event file), events.jsonl from the guard, the progress line's ETA, W&B offline, and a tiny real
 run that writes tensorboard/ and events.jsonl."""
 
+import io
 import json
+import re
 import struct
 import sys
 import types
@@ -14,7 +16,7 @@ from tensorboardX.proto import event_pb2
 from maxmoe.config import Config, ConfigError, GuardConfig, LoggingConfig
 from maxmoe.metrics import progress as progress_mod
 from maxmoe.metrics.events import EventLog
-from maxmoe.metrics.progress import Progress, duration, progress_metrics, si
+from maxmoe.metrics.progress import Progress, duration, progress_metrics, say, si
 from maxmoe.metrics.tensorboard import Heatmap, TensorBoardWriter, flatten
 from maxmoe.metrics.wandb_writer import RUN_ID_FILE, WandbWriter, check_wandb
 from maxmoe.metrics.writers import Background, MetricsWriter
@@ -273,3 +275,30 @@ def test_wandb_restarts_resume_the_same_run(tmp_path, monkeypatch):
     other.mkdir()
     WandbWriter(cfg, other)  # another run directory: another run
     assert calls[-1]["id"] == "second2"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_progress_bar_only_on_a_terminal_and_lines_never_glued_to_it(terminal, monkeypatch):
+    """logging.progress_bar=true draws a tqdm bar only when stderr is a terminal; redirected to
+    a file, it prints plain lines (no cursor codes). Lines said meanwhile (eval, guards) start a
+    line of their own, above the bar."""
+    err = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    shown = Progress(total_steps=50, bar=True)
+    record = {"loss": 2.0, "tokens_per_second": 1000.0, "mfu": 0.1, "tokens_seen": 1000}
+    shown.write(10, record)
+    say("step 10: eval loss 4.7300 (1.0 s)")
+    shown.write(20, record)
+    shown.close()
+    out = err.getvalue()
+    assert re.search(r"(^|[\r\n])step 10: eval loss 4.7300 \(1.0 s\)\n", out), repr(out)
+    if terminal:
+        assert "train:" in out and "\r" in out
+    else:
+        assert "\r" not in out and "\x1b" not in out and "train:" not in out, repr(out)
+        assert out.splitlines()[0].startswith("step 10: loss 2.0000")
