@@ -223,7 +223,7 @@ class DataConfig:
     global_batch_size: int = 16  # B, rows per optimizer step across all processes
     seed: int = 0  # shuffling seed
     num_workers: int = 0  # grain worker processes (0 = in the main process)
-    streams: int = 16  # train rows interleave this many packed document streams (1 = one stream)
+    streams: int = 16  # train and validation rows interleave this many packed document streams
     prefetch_batches: int = 4  # train batches kept ready ahead of the step (per worker; 0 = off)
     validation_fraction: float = 0.02  # documents held out for evaluation (raw sources only)
     # weighted prepared datasets 'DIR:WEIGHT,DIR:WEIGHT' (weights = token shares); empty =

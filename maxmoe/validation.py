@@ -307,9 +307,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int, origins: dict[str, str]) -
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if free:
         if num_devices % fixed:
-            # name a set axis that does not divide the devices (the -1 axis is not at fault)
-            given = [a for a in MESH_AXES if sizes[a] > 1]
-            a = next((a for a in given if num_devices % sizes[a]), given[-1])
+            a = _culprit(sizes, origins, num_devices)  # the -1 axis is not at fault
             fail(f"mesh.{a}", sizes[a], origins.get(f"mesh.{a}", "defaults"),
                  f"the set axes multiply to {fixed}, which does not divide {num_devices} devices "
                  f"(mesh.{free[0]} = -1 takes the rest)",
@@ -317,11 +315,19 @@ def resolve_mesh_shape(cfg: Config, num_devices: int, origins: dict[str, str]) -
         sizes[free[0]] = num_devices // fixed
     if math.prod(sizes.values()) != num_devices:
         shape = " x ".join(f"{a}={s}" for a, s in sizes.items())
-        key = next((f"mesh.{a}" for a in MESH_AXES if f"mesh.{a}" in origins), "mesh.data")
+        key = f"mesh.{_culprit(sizes, origins, num_devices)}"
         fail(key, getattr(cfg.mesh, key.split(".")[1]), origins.get(key, "defaults"),
               f"mesh {shape} has {math.prod(sizes.values())} devices but {num_devices} are present",
               "make the product of the mesh axes equal the device count (or set one axis to -1)")
     return sizes
+
+
+def _culprit(sizes: dict[str, int], origins: dict[str, str], num_devices: int) -> str:
+    """The mesh axis a wrong device product is blamed on: one set above 1, preferring one that
+    does not divide the devices, then one from the command line (the newest edit)."""
+    given = [a for a in MESH_AXES if sizes[a] > 1] or list(MESH_AXES)
+    return min(given, key=lambda a: (num_devices % sizes[a] == 0,
+                                     origins.get(f"mesh.{a}") != "command line"))
 
 
 def dcn_sizes(cfg: Config) -> dict[str, int]:

@@ -71,7 +71,7 @@ def test_bare_command_prints_usage():
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--sweep", "mesh.expert=2,3"], "config key 'mesh.data' = 2 (from configs/tiny.yaml)"),
+    (["--sweep", "mesh.expert=2,3"], "config key 'mesh.expert' = 3"),
     (["--sweep", "moe.dispatch=dropless,capacity", "--profile", "/tmp/trace"],
      "--profile traces one config, --sweep times several"),
     (["--sweep", "moe.dispatch"], "--sweep expects KEY=V1,V2,..."),

@@ -154,7 +154,8 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
 
     Train repeats `num_epochs` times (None = forever), reshuffled every epoch from
     `cfg.seed`, and drops a last partial batch. Validation is one pass in file order whose
-    last batch is padded with empty rows (loss_mask 0) so every batch has one shape.
+    last batch is padded with empty rows (loss_mask 0) so every batch has one shape. Both
+    interleave `cfg.streams` packed streams, so a batch holds rows of many documents.
     `iter(dataset)` supports get_state()/set_state() for exact resumption. Train batches are
     made ahead by a thread, up to `cfg.prefetch_batches` of them (0 = on demand).
     """
@@ -196,10 +197,12 @@ def make_dataset(cfg: DataConfig, tokenizer: Tokenizer, *, split: str = "train",
         ).map(_row_features)
         return rows
 
-    if training and cfg.streams > 1:
+    if cfg.streams > 1:
         # packing keeps a long document in consecutive rows, so a batch of one stream would be
         # one or two files; interleaving `streams` independent streams (each a virtual process
-        # share) gives every batch rows of many documents, and resumes exactly
+        # share) gives every batch rows of many documents, and resumes exactly. Validation too:
+        # its first eval_batches batches then sample many documents, not the first few files
+        # of the sorted list (on stdlib, batches 9-20 were two codec tables alone)
         n = cfg.streams
         rows = grain.experimental.InterleaveIterDataset(
             [packed_rows(process_index * n + i, process_count * n) for i in range(n)],
