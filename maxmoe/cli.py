@@ -29,9 +29,17 @@ from maxmoe.config import ConfigError
 COMMANDS = (train, evaluate, generate, plan, data, bench, convert, forward, report)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage mistakes are maxmoe's one line (a ConfigError naming the command
+    and its --help), not argparse's usage block; the verbs' subparsers are of this class too."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{self.prog}: {message} (see '{self.prog} --help')")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `maxmoe` parser with every verb's subparser (imports no JAX)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="maxmoe", description="Train Mixture-of-Experts language models with JAX.",
         epilog="Run 'maxmoe COMMAND --help' for the options of a command.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -45,16 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # run as the `maxmoe` program, not embedded: pick the allocator first
         malloc.reexec(["-m", "maxmoe.cli", *sys.argv[1:]])
     parser = build_parser()
-    # configs and KEY=VALUE overrides may come after options too (`bench A.yaml --steps 5 k=v`)
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if not hasattr(args, "items") or any(a.startswith("-") for a in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.items += extra
-    if args.command is None:
-        parser.print_help()
-        return 2
     try:
+        # configs and KEY=VALUE overrides may come after options (`bench A.yaml --steps 5 k=v`)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            if not hasattr(args, "items") or any(a.startswith("-") for a in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.items += extra
+        if args.command is None:
+            parser.print_help()
+            return 2
         return args.run(args)
     except ConfigError as e:
         print(f"maxmoe: error: {e}", file=sys.stderr)

@@ -161,13 +161,13 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     check_wandb(cfg.logging)  # W&B asked for without its package
     # a train.init_from that does not match (unless the run's own checkpoints win)
     init = _open_init(cfg) if needs_init_from(cfg) else None
-    tokenizer = model_tokenizer(cfg)
-    dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
-                           process_count=jax.process_count())
     setup = prepare_run(cfg, mesh_sizes)
     layout, config_json = data_layout(cfg), to_dict(cfg)
     ckpt_dir = Path(cfg.run.dir).resolve() / "checkpoints"
     check_resumable(ckpt_dir, setup.trainer.abstract_state, config_json)  # another layout
+    tokenizer = model_tokenizer(cfg)  # may train one (into the cache): after the cheap checks
+    dataset = make_dataset(cfg.data, tokenizer, process_index=jax.process_index(),
+                           process_count=jax.process_count())
     run_dir = _open_run_dir(cfg)
     if jax.process_index() == 0:  # generate and eval open <run.dir>/tokenizer
         save_tokenizer(tokenizer, run_dir / RUN_TOKENIZER_DIR)
