@@ -50,14 +50,14 @@ class ModelConfig:
     lm_loss_chunk: int = 0
     # the work outside the pipelined layers (unpipelined layer stacks, final norm, LM head and
     # loss, MTP) runs over this many groups of each device's rows in turn (lax.scan,
-    # model/row_groups.py): its temporaries are one group's; 1 = all rows at once
+    # parallel/row_groups.py): its temporaries are one group's; 1 = all rows at once
     outer_microbatches: int = 1
     pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches >= P)
     pipeline_microbatches: int = 0  # microbatches per step; 0 = number of stages
     pipeline_repeats: int = 2  # circular: layer chunks per stage (bubble shrinks V times)
     # layers of each chunk of the pipelined group in schedule order (gpipe: one per stage;
     # circular: stages x repeats, chunk v*stages + p on stage p); [] = as even as possible.
-    # Unequal chunks are padded to the largest with masked identity slots (model/spec.py)
+    # Unequal chunks are padded to the largest with masked identity slots (parallel/schedule.py)
     pipeline_stage_layers: list[int] = field(default_factory=list)
 
 

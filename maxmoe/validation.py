@@ -33,7 +33,8 @@ from maxmoe.config import (
     stage_local_rules,
 )
 from maxmoe.data.corpus import STDLIB
-from maxmoe.model.spec import layer_groups, pipeline_schedule
+from maxmoe.model.spec import layer_groups
+from maxmoe.parallel.schedule import pipeline_schedule
 
 # The largest vocabulary the stdlib fallback is for: its tokenizer is trained on a ~4 MB
 # sample (data/tokenizer.py), which SentencePiece BPE cannot fill past ~61K pieces (61,225 on
@@ -449,7 +450,7 @@ def check_batch_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
 
 def check_outer_microbatches(cfg: Config, sizes: dict[str, int], need: Need) -> None:
     """model.outer_microbatches groups split every device's rows of an accumulation step
-    evenly (model/row_groups.py: then the regrouping moves nothing between devices)."""
+    evenly (parallel/row_groups.py: then the regrouping moves nothing between devices)."""
     groups = cfg.model.outer_microbatches
     need(groups >= 1, "model.outer_microbatches", f"is {groups}, must be >= 1",
          "use 1 (all rows at once) or more groups")

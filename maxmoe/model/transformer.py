@@ -23,9 +23,10 @@ from maxmoe.model.layers import MLP, Embed, RMSNorm, param
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
 from maxmoe.model.router import switch_balance_loss, updated_bias
-from maxmoe.model.row_groups import over_row_groups
-from maxmoe.model.spec import PipelineSchedule, layer_groups, pipeline_schedule
+from maxmoe.model.spec import layer_groups
 from maxmoe.parallel.pipeline import num_stages, run_pipeline
+from maxmoe.parallel.row_groups import over_row_groups
+from maxmoe.parallel.schedule import PipelineSchedule, pipeline_schedule
 from maxmoe.sharding import shard
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
@@ -329,7 +330,7 @@ class Transformer(nnx.Module):
         """The LM loss and MTP after the layers: x [B, S, D], counts [1 + D] the denominators
         (loss_token_counts of the whole batch or step) -> (CE, MTP losses per depth [D] or None,
         MTP aux [D, ...]). With model.outer_microbatches = G > 1 over G groups of rows in
-        turn (model/row_groups.py). What the scan keeps per group stays small: the chunked
+        turn (parallel/row_groups.py). What the scan keeps per group stays small: the chunked
         head (model.lm_loss_chunk) keeps only its input and log-sum-exps, the MTP blocks are
         rematerialised as model.remat_policy says; the unchunked head would keep its float32
         logits, so then each group's whole pass is rematerialised (one more forward of it)."""

@@ -7,12 +7,8 @@ import itertools
 import pytest
 
 from maxmoe.config import ModelConfig
-from maxmoe.model.spec import (
-    PipelineSchedule,
-    describe_pipeline,
-    layer_groups,
-    pipeline_schedule,
-)
+from maxmoe.model.spec import describe_pipeline, layer_groups
+from maxmoe.parallel.schedule import PipelineSchedule, pipeline_schedule
 
 
 @pytest.mark.parametrize("fields", [

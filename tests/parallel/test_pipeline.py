@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.model.spec import PipelineSchedule
 from maxmoe.model.transformer import run_layers
 from maxmoe.parallel import pipeline
 from maxmoe.parallel.pipeline import (
@@ -28,6 +27,7 @@ from maxmoe.parallel.pipeline import (
     run_pipeline,
     slot_permutes,
 )
+from maxmoe.parallel.schedule import PipelineSchedule
 from maxmoe.sharding import current_mesh, make_mesh, stack_source_spec, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config

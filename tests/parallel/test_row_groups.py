@@ -1,5 +1,5 @@
 """model.outer_microbatches: the work outside the pipelined layers over groups of rows
-(model/row_groups.py) gives the whole batch's loss, metrics and gradients, and its compiled
+(parallel/row_groups.py) gives the whole batch's loss, metrics and gradients, and its compiled
 temporaries are one group's.
 
 Reference: the same model and batch with model.outer_microbatches=1 (all rows at once), float32.
