@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.model.transformer import run_layers
+from maxmoe.model.block import run_layers
 from maxmoe.parallel import pipeline
 from maxmoe.parallel.pipeline import (
     _aux_add,
