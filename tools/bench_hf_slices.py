@@ -40,7 +40,7 @@ def child(hf_dir: str, mode: str, share: int) -> dict:
     import numpy as np
 
     from maxmoe.convert.from_hf import read_hf
-    from maxmoe.convert.hf_slices import LeafReader
+    from maxmoe.hf.slices import LeafReader
 
     t = time.perf_counter()
     if mode == "baseline":  # imports and the reader's set-up, nothing read

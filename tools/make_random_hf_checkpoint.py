@@ -17,10 +17,10 @@ import numpy as np
 def write_random_checkpoint(cfg, out: Path, shard_bytes: int) -> int:
     """Writes config.json + random bf16 safetensors of the model cfg describes; returns the
     number of hub parameters."""
-    from maxmoe.convert.checkpoint_io import abstract_params
-    from maxmoe.convert.hf_config import config_to_hf, family_for
-    from maxmoe.convert.names import hub_shape, hub_tensors, mtp_shared_copies
-    from maxmoe.convert.safetensors_io import write_safetensors
+    from maxmoe.hf.config import config_to_hf, family_for
+    from maxmoe.hf.names import hub_shape, hub_tensors, mtp_shared_copies
+    from maxmoe.hf.safetensors_io import write_safetensors
+    from maxmoe.model.transformer import abstract_params
 
     shapes = abstract_params(cfg)
     tensors = hub_tensors(cfg, family_for(cfg)) + mtp_shared_copies(cfg)

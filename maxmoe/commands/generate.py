@@ -82,11 +82,11 @@ def run(args) -> int:
     _check_args(args)
     # late: JAX, the model and the checkpoint reader; keeps `maxmoe --help` free of them
     from maxmoe.convert.checkpoint_io import read_converted, restore_params
-    from maxmoe.convert.safetensors_io import ConversionError
     from maxmoe.generate import prompts as P
     from maxmoe.generate.decode import Decoder, left_pad
     from maxmoe.generate.mesh import parse_mesh
     from maxmoe.generate.sampling import Sampling
+    from maxmoe.hf.safetensors_io import ConversionError
 
     ckpt = Path(args.ckpt)
     try:

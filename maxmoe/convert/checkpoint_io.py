@@ -21,19 +21,13 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from maxmoe.config import Config, load_config, save_config
-from maxmoe.convert.names import get_path, leaf_paths
 from maxmoe.convert.param_writer import save_streamed
-from maxmoe.convert.safetensors_io import ConversionError
-from maxmoe.model.transformer import build_model
+from maxmoe.hf.names import get_path, leaf_paths
+from maxmoe.hf.safetensors_io import ConversionError
+from maxmoe.model.transformer import abstract_params
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.step import make_trainer
-
-
-def abstract_params(cfg: Config) -> dict:
-    """ShapeDtypeStructs of the pure dict of every model variable (params and router bias)."""
-    model = nnx.eval_shape(lambda: build_model(cfg, 0))
-    return nnx.to_pure_dict(nnx.state(model))
 
 
 def write_converted_config(out_dir: Path, cfg: Config, hf_config: dict | None = None,

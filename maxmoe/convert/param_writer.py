@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import tensorstore as ts
 
-from maxmoe.convert.safetensors_io import ConversionError
+from maxmoe.hf.safetensors_io import ConversionError
 
 MAX_CHUNK_BYTES = 64 * 2**20  # Orbax's chunk_byte_size that save_converted used
 IN_FLIGHT = 1  # chunks being compressed and written while the next one is produced

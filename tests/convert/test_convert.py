@@ -18,13 +18,14 @@ from safetensors.numpy import load_file, save_file
 import maxmoe.convert.to_hf
 from maxmoe.cli import main
 from maxmoe.config import load_config
-from maxmoe.convert import names
-from maxmoe.convert.checkpoint_io import abstract_params, restore_params
+from maxmoe.convert.checkpoint_io import restore_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
-from maxmoe.convert.hf_config import family_for
-from maxmoe.convert.names import get_path
-from maxmoe.convert.safetensors_io import SafetensorsReader, dequantize_fp8
 from maxmoe.convert.to_hf import convert_to_hf
+from maxmoe.hf import names
+from maxmoe.hf.config import family_for
+from maxmoe.hf.names import get_path
+from maxmoe.hf.safetensors_io import SafetensorsReader, dequantize_fp8
+from maxmoe.model.transformer import abstract_params
 from tests.helpers import per_layer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,9 +18,8 @@ import pytest
 
 from maxmoe.cli import main
 from maxmoe.config import load_config
-from maxmoe.convert.checkpoint_io import abstract_params, restore_params
+from maxmoe.convert.checkpoint_io import restore_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
-from maxmoe.convert.names import get_path
 from maxmoe.convert.param_writer import (
     Chunk,
     array_name,
@@ -29,7 +28,9 @@ from maxmoe.convert.param_writer import (
     leaf_chunks,
     save_streamed,
 )
-from maxmoe.convert.safetensors_io import ConversionError, SafetensorsReader
+from maxmoe.hf.names import get_path
+from maxmoe.hf.safetensors_io import ConversionError, SafetensorsReader
+from maxmoe.model.transformer import abstract_params
 from tests.convert.test_convert import DEEPSEEK, make_hub_checkpoint_with_mtp_fp8_and_shards
 from tests.distributed.test_multiprocess import free_port
 from tools.convert_rss import convert_rss, fixed_rss, largest_tensor

@@ -12,9 +12,9 @@ import pytest
 from maxmoe.cli import main
 from maxmoe.config import load_config
 from maxmoe.convert.checkpoint_io import restore_params
-from maxmoe.convert.hf_config import family_for
-from maxmoe.convert.names import hub_tensors, params_to_hub
-from maxmoe.convert.safetensors_io import SafetensorsReader
+from maxmoe.hf.config import family_for
+from maxmoe.hf.names import hub_tensors, params_to_hub
+from maxmoe.hf.safetensors_io import SafetensorsReader
 from maxmoe.train.loop import train
 from maxmoe.validation import validate
 
