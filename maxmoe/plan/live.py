@@ -112,6 +112,14 @@ def write_plan(path: Path, setup: RunSetup, compiled, cluster: Cluster | None,
     return time.perf_counter() - t
 
 
+def plan_writer(cluster: Cluster | None):
+    """The training loop's first_compiled hook: writes <run_dir>/plan.json (write_plan) priced
+    on `cluster` (None: memory figures only); returns the seconds that took."""
+    def write(setup: RunSetup, compiled, compile_s: float, run_dir: Path) -> float:
+        return write_plan(run_dir / "plan.json", setup, compiled, cluster, compile_s)
+    return write
+
+
 def dry_run(cfg: Config, mesh_sizes: dict[str, int], cluster_spec: str, out: TextIO) -> int:
     """Compiles the first train step on every process's real devices from abstract arrays
     (allocates no state, reads no data, writes nothing) and prints (process 0) the memory line

@@ -32,7 +32,7 @@ from maxmoe.plan.roofline import (
     compute_peak,
     step_time,
 )
-from maxmoe.train.loop import log_window
+from maxmoe.train.reporting import log_window
 
 TINY_V3 = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml"]
 PRESETS = [TINY_V3, ["configs/tiny.yaml", "configs/models/tiny_mixtral.yaml"]]
