@@ -5,7 +5,7 @@ The directory is the layout Orbax's `PyTreeCheckpointHandler(use_ocdbt=False)` w
 pytree of numpy arrays (what `save_converted` wrote before): one zarr v2 array per leaf in a
 folder named by its dotted path (`layer_groups.1.mlp.gate/.zarray` + `0.0.0.0`-style chunk
 files, zstd level 1, float32), `_METADATA` (the tree), `_CHECKPOINT_METADATA` and
-`commit_success.txt`. Orbax's ordinary restore reads it unchanged (`restore_params`); only the
+`commit_success.txt`. Orbax's ordinary restore reads it unchanged (`read_params`); only the
 chunk shapes differ from Orbax's choice, which restore takes from each `.zarray`. OCDBT is not
 used: its per-process B-trees must be merged by one process at the end, and that merge is
 Orbax's private code; plain zarr lets every process write whole chunk files on its own.
