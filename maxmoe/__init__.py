@@ -21,6 +21,8 @@ fails on any import that goes up. Each line is a package (a folder) or a top-lev
     parallel      expert dispatch, pipeline schedule and run, row groups
     kernels       grouped matmul, FP8, attention and LM-loss kernels
     sharding      logical axis names, the rules table, meshes
+    cluster       device-kind and cluster files (configs/devices/, configs/cluster/): peaks,
+                  memory, links, prices
     distributed   jax.distributed start-up
     malloc        which C allocator the process runs on (standard library only)
     config        frozen dataclasses per concern, YAML presets, dotted overrides
