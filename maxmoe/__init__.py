@@ -16,6 +16,7 @@ fails on any import that goes up. Each line is a package (a folder) or a top-lev
     metrics       FLOPs and MFU, writers, router health, host timing
     hf            Hugging Face files: safetensors, the tensor map, config.json, slice reads
     validation    a config checked against the devices before anything compiles
+    section_checks   each config section's own fields checked (validation runs them first)
     data          tokenizers, sources, dedup and filters, the grain pipeline
     model         layers, attention, router, MoE, blocks, the transformer; config-derived facts
     parallel      expert dispatch, pipeline schedule and run, row groups
@@ -25,5 +26,6 @@ fails on any import that goes up. Each line is a package (a folder) or a top-lev
                   memory, links, prices
     distributed   jax.distributed start-up
     malloc        which C allocator the process runs on (standard library only)
-    config        frozen dataclasses per concern, YAML presets, dotted overrides
+    config_files  YAML presets and dotted overrides -> Config, and back
+    config        frozen dataclasses per concern, ConfigError
 """

@@ -21,7 +21,8 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
-from maxmoe.config import MESH_AXES, CheckpointConfig, load_config
+from maxmoe.config import MESH_AXES, CheckpointConfig
+from maxmoe.config_files import load_config
 from maxmoe.model.spec import layer_groups
 from maxmoe.model.transformer import build_model
 from maxmoe.parallel.schedule import pipeline_schedule

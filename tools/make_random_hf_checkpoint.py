@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--shard-gb", type=float, default=5.0)
     args = parser.parse_args()
 
-    from maxmoe.config import load_config
+    from maxmoe.config_files import load_config
 
     cfg, _ = load_config([args.preset], args.overrides)
     total = write_random_checkpoint(cfg, Path(args.out_dir), int(args.shard_gb * 2**30))

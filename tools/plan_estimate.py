@@ -6,7 +6,7 @@ step time and collective bytes per axis.
 import sys
 
 from maxmoe.cluster import load_cluster
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.plan import search
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.validation import dcn_sizes, validate

@@ -20,7 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from maxmoe.config import Config, load_config, save_config
+from maxmoe.config import Config
+from maxmoe.config_files import load_config, save_config
 from maxmoe.convert.param_writer import save_streamed
 from maxmoe.hf.names import get_path, leaf_paths
 from maxmoe.hf.safetensors_io import ConversionError

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from maxmoe.config import Config, ConfigError, fail, load_config
+from maxmoe.config import Config, ConfigError, fail
+from maxmoe.config_files import load_config
 from maxmoe.hf.safetensors_io import ConversionError
 from maxmoe.hf.slices import LeafReader
 from maxmoe.parallel.dispatch import resolve_transport

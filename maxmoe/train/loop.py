@@ -42,7 +42,8 @@ from pathlib import Path
 
 import jax
 
-from maxmoe.config import Config, save_config, to_dict
+from maxmoe.config import Config
+from maxmoe.config_files import save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import RUN_TOKENIZER_DIR, save_tokenizer
 from maxmoe.distributed import wait_for_processes

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import maxmoe.convert.to_hf
 from maxmoe.cli import main
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.convert.checkpoint_io import read_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
 from maxmoe.convert.to_hf import convert_to_hf

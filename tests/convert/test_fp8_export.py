@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from maxmoe.cli import main
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.convert.checkpoint_io import read_params
 from maxmoe.hf.config import family_for
 from maxmoe.hf.names import hub_tensors, params_to_hub

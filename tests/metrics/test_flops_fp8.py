@@ -12,7 +12,7 @@ import pytest
 
 from maxmoe.bench import memory_line, mfu_figures
 from maxmoe.cluster import load_cluster
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.kernels.fp8 import fp8_dot
 from maxmoe.metrics import flops as flops_module
 from maxmoe.metrics.flops import (

@@ -41,7 +41,7 @@ WARNING = "Involuntary full rematerialization"
 COMPILE = """
 import sys
 from maxmoe.bench import memory_analysis
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.plan.probe import abstract_batch
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer

@@ -7,7 +7,8 @@ import json
 
 from maxmoe.cli import main
 from maxmoe.cluster import DEVICE_KINDS, kind_slug, known_kinds
-from maxmoe.config import CheckpointConfig, save_config, to_dict
+from maxmoe.config import CheckpointConfig
+from maxmoe.config_files import save_config, to_dict
 from maxmoe.plan import live
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer

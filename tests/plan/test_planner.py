@@ -8,7 +8,7 @@ import pytest
 
 from maxmoe.cli import main
 from maxmoe.cluster import load_cluster
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.plan import search
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.probe import largest_buffers, model_part, run_probe
