@@ -1,5 +1,5 @@
 """Peak RSS and time of reading an HF checkpoint whole (from_hf.read_hf) vs one process's share
-of every leaf (convert/hf_slices.LeafReader, 1/N of each leaf along its expert dim, else its
+of every leaf (hf/slices.LeafReader, 1/N of each leaf along its expert dim, else its
 first dim N divides), each in a fresh subprocess (getrusage(RUSAGE_CHILDREN): C++ and mmap
 pages included; "baseline" is the imports and the reader's set-up alone):
 
