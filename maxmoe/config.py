@@ -1,19 +1,15 @@
-"""Typed, frozen configuration: one dataclass per concern, YAML presets + dotted overrides.
+"""Typed, frozen configuration: one dataclass per concern, each field with its default and why.
 
-`load_config(["a.yaml", "b.yaml"], ["train.steps=10"])` merges the files in order, then the
-overrides, checks every key and type, and returns a `Config`. Every error is a `ConfigError`
-whose one-line message names the key, the value, where it came from and how to fix it.
+config_files.py reads them from YAML presets and dotted overrides. Every config error is a
+`ConfigError` whose one-line message names the key, the value, where it came from and how to
+fix it (`fail`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 
 class ConfigError(ValueError):
@@ -50,14 +46,14 @@ class ModelConfig:
     lm_loss_chunk: int = 0
     # the work outside the pipelined layers (unpipelined layer stacks, final norm, LM head and
     # loss, MTP) runs over this many groups of each device's rows in turn (lax.scan,
-    # model/row_groups.py): its temporaries are one group's; 1 = all rows at once
+    # parallel/row_groups.py): its temporaries are one group's; 1 = all rows at once
     outer_microbatches: int = 1
     pipeline_schedule: str = "gpipe"  # gpipe | circular (V repeats per stage, microbatches >= P)
     pipeline_microbatches: int = 0  # microbatches per step; 0 = number of stages
     pipeline_repeats: int = 2  # circular: layer chunks per stage (bubble shrinks V times)
     # layers of each chunk of the pipelined group in schedule order (gpipe: one per stage;
     # circular: stages x repeats, chunk v*stages + p on stage p); [] = as even as possible.
-    # Unequal chunks are padded to the largest with masked identity slots (model/spec.py)
+    # Unequal chunks are padded to the largest with masked identity slots (parallel/schedule.py)
     pipeline_stage_layers: list[int] = field(default_factory=list)
 
 
@@ -333,7 +329,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-# --------------------------------------------------------------------------- loading
+# --------------------------------------------------------------------------- errors
 
 
 def describe(key: str, value: Any, origin: str | None = None) -> str:
@@ -345,114 +341,3 @@ def describe(key: str, value: Any, origin: str | None = None) -> str:
 def fail(key: str, value: Any, origin: str | None, problem: str, fix: str) -> typing.NoReturn:
     """Raises the one-line ConfigError "config key 'K' = V (from ORIGIN): PROBLEM; FIX"."""
     raise ConfigError(f"{describe(key, value, origin)}: {problem}; {fix}")
-
-
-def _merge(dst: dict, src: dict, origins: dict[str, str], origin: str, prefix: str = "") -> None:
-    for k, v in src.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):  # recurse so every leaf key records where it came from
-            if not isinstance(dst.get(k), dict):
-                dst[k] = {}
-            origins.setdefault(key, origin)
-            _merge(dst[k], v, origins, origin, key + ".")
-        else:
-            dst[k] = v
-            origins[key] = origin
-
-
-def _check_type(key: str, value: Any, tp: Any, origin: str) -> Any:
-    """Returns value converted to tp where that is lossless (int -> float), else fails."""
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp in (int, float, str, bool):
-        if type(value) is not tp:
-            fail(key, value, origin, f"expected {tp.__name__}, got {type(value).__name__}",
-                  f"write a value of type {tp.__name__}")
-        return value
-    if typing.get_origin(tp) is list:
-        if not isinstance(value, list) or not all(type(v) is int for v in value):
-            fail(key, value, origin, "expected a list of integers", "write e.g. [0, 5]")
-        return list(value)
-    if typing.get_origin(tp) is dict:
-        if not isinstance(value, dict) or not all(
-                isinstance(v, list) and all(isinstance(a, str) for a in v) for v in value.values()):
-            fail(key, value, origin, "expected a mapping of logical axis -> list of mesh axes",
-                  "write e.g. {batch: [data, fsdp]}")
-        # a rules mapping overrides the default table per logical axis
-        return {**{k: list(v) for k, v in DEFAULT_RULES.items()},
-                **{k: list(v) for k, v in value.items()}}
-    raise TypeError(f"unsupported config field type {tp} at {key}")  # a bug, not a user error
-
-
-def _build(cls: type, raw: dict, origins: dict[str, str], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for k in raw:
-        if k not in names:
-            key = f"{prefix}{k}"
-            fail(key, raw[k], origins.get(key, "?"), "unknown key",
-                  f"valid keys under '{prefix[:-1] or 'top level'}' are: {', '.join(sorted(names))}")
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in raw:
-            continue
-        key, tp = f"{prefix}{f.name}", hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(raw[f.name], dict):
-                fail(key, raw[f.name], origins.get(key, "?"), "expected a section (mapping)",
-                      f"nest its keys under '{key}:'")
-            kwargs[f.name] = _build(tp, raw[f.name], origins, key + ".")
-        else:
-            kwargs[f.name] = _check_type(key, raw[f.name], tp, origins.get(key, "?"))
-    return cls(**kwargs)
-
-
-def _parse_override(text: str) -> tuple[list[str], Any]:
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} (from command line): expected key.sub=value; "
-                          "write e.g. train.steps=100")
-    key, raw = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
-
-
-def load_config(paths: list[str], overrides: list[str] = ()) -> tuple[Config, dict[str, str]]:
-    """Merges YAML presets then dotted overrides. Returns the config and key -> origin."""
-    raw: dict = {}
-    origins: dict[str, str] = {}
-    for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise ConfigError(f"config file {p!r}: not found; pass the path of an existing YAML file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {p!r}: not valid YAML ({str(e).splitlines()[0]}); "
-                              "fix the syntax") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {p!r}: top level must be a mapping of sections; "
-                              "write e.g. 'train:\\n  steps: 100'")
-        _merge(raw, data, origins, p)
-    for text in overrides:
-        keys, value = _parse_override(text)
-        nested: Any = value
-        for k in reversed(keys):
-            nested = {k: nested}
-        _merge(raw, nested, origins, "command line")
-    cfg = _build(Config, raw, origins)
-    if not cfg.run.dir:
-        name = cfg.run.name or (Path(paths[-1]).stem if paths else "default")
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(Path("runs") / name)))
-    return cfg, origins
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def save_config(cfg: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.model.transformer import build_model
 from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
 from maxmoe.validation import dcn_sizes, validate

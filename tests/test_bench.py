@@ -14,7 +14,7 @@ from flax import nnx
 
 from maxmoe import malloc
 from maxmoe.bench import benchmark
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.metrics.flops import FLOP_CONVENTION, flops_per_token
 from maxmoe.metrics.profile import (
     COLLECTIVES,

@@ -13,16 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from maxmoe.config import (
-    DEFAULT_RULES,
-    MESH_AXES,
-    Config,
-    ConfigError,
-    describe,
-    fail,
-    load_config,
-    save_config,
-)
+from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config, ConfigError, describe, fail
+from maxmoe.config_files import load_config, save_config
 from maxmoe.validation import validate
 
 CMD = "command line"

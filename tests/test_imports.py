@@ -1,14 +1,17 @@
-"""The maxmoe package's import graph has no cycle, counting imports inside functions too.
+"""The maxmoe package's imports go downward through the layers maxmoe/__init__.py draws, and its
+import graph has no cycle, counting imports inside functions too.
 
 A cycle works only while every module in it happens to import the others' names late; one
-import moved to the top of a file then breaks at start-up. The graph is read with `ast`, so
-this test imports nothing it checks.
+import moved to the top of a file then breaks at start-up. An upward import is a cycle waiting
+to happen and makes the layers impossible to draw. The graph is read with `ast`, so this test
+imports nothing it checks.
 """
 
 from __future__ import annotations
 
 import ast
 import itertools
+import re
 from collections import deque
 from pathlib import Path
 
@@ -144,6 +147,78 @@ def test_imports_inside_functions_and_relative_imports_count():
     assert imports_of(source, "maxmoe.model.mla", False, modules) == {
         "maxmoe.config": 2, "maxmoe.malloc": 4, "maxmoe.model.layers": 5,
         "maxmoe.model.rope": 8, "maxmoe.sharding": 9}
+
+
+def layers(package: Path = PACKAGE) -> list[str]:
+    """The packages and top-level modules of the layer list in `package`'s __init__.py
+    docstring, lowest first: its indented lines `    name   what it holds`."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text()))
+    names = [m.group(1) for m in re.finditer(r"^    ([a-z_]+)  +\S", doc, re.MULTILINE)]
+    return names[::-1]
+
+
+def layer_of(module: str) -> str:
+    """maxmoe.train.loop -> train; maxmoe.bench -> bench; maxmoe -> maxmoe."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def upward_imports(graph, order: list[str], files) -> list[str]:
+    """`importer file:line imports module (layer a above layer b)` for each import of a module
+    in a higher layer than its importer's; a module of no listed layer is reported as such."""
+    rank = {name: i for i, name in enumerate(order)}
+    rank["maxmoe"] = len(order)  # the package's own __init__ sits above everything
+    found = [f"{files[m].relative_to(PACKAGE.parent)}: module of no layer ({layer_of(m)!r} is "
+             "not in maxmoe/__init__.py's list)" for m in graph if layer_of(m) not in rank]
+    for importer, targets in sorted(graph.items()):
+        here = rank.get(layer_of(importer), -1)
+        for target, line in sorted(targets.items()):
+            there = rank.get(layer_of(target), -1)
+            if there > here:
+                found.append(f"{files[importer].relative_to(PACKAGE.parent)}:{line} imports "
+                             f"{target} (layer {layer_of(target)} is above {layer_of(importer)})")
+    return found
+
+
+def name_lookups(source: str) -> list[int]:
+    """Lines that import a module by its name at run time (importlib.import_module,
+    __import__): such a lookup hides a dependency from the layer check."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Call) and (getattr(node.func, "attr", None)
+                                                     or getattr(node.func, "id", None))
+                  in ("import_module", "__import__"))
+
+
+def test_layer_list_names_every_package_once():
+    order = layers()
+    assert len(order) == len(set(order)) and order[0] == "config" and order[-1] == "cli", order
+    present = {layer_of(m) for m in module_names(PACKAGE)} - {"maxmoe"}
+    assert present == set(order), (present - set(order), set(order) - present)
+
+
+def test_imports_go_down_the_layers():
+    """Every import of a maxmoe module, top-level or inside a function, is of its own package
+    or a lower layer of maxmoe/__init__.py's list."""
+    found = upward_imports(import_graph(), layers(), module_names(PACKAGE))
+    assert not found, "imports that go up maxmoe's layers:\n" + "\n".join(found)
+
+
+def test_upward_import_check_can_fail():
+    graph = {"maxmoe.model.moe": {"maxmoe.train.step": 7, "maxmoe.config": 3},
+             "maxmoe.train.step": {"maxmoe.model.moe": 2}, "maxmoe.nowhere": {}}
+    files = {m: PACKAGE / Path(*m.split(".")[1:]).with_suffix(".py") for m in graph}
+    assert upward_imports(graph, ["config", "model", "train"], files) == [
+        "maxmoe/nowhere.py: module of no layer ('nowhere' is not in maxmoe/__init__.py's list)",
+        "maxmoe/model/moe.py:7 imports maxmoe.train.step (layer train is above model)"]
+
+
+def test_no_module_is_imported_by_name():
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             for line in name_lookups(path.read_text())]
+    assert not found, "modules imported by name (import them, so the layers show):\n" + \
+        "\n".join(found)
+    assert name_lookups("import importlib\nm = importlib.import_module('maxmoe.train')\n"
+                        "n = __import__('os')\nimportlib.util.find_spec('wandb')\n") == [2, 3]
 
 
 def test_package_import_graph_has_no_cycle():

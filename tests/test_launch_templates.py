@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from maxmoe.cli import main
-from maxmoe.config import ConfigError, load_config
+from maxmoe.config import ConfigError
+from maxmoe.config_files import load_config
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.validation import validate
 

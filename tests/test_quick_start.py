@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from maxmoe.cli import main
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.sharding import global_batch, make_mesh

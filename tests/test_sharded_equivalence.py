@@ -38,10 +38,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.model.spec import layer_groups, pipeline_schedule
+from maxmoe.model.spec import layer_groups
 from maxmoe.model.transformer import build_model
 from maxmoe.parallel import capacity
 from maxmoe.parallel.pipeline import num_stages
+from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import loss_and_grads, random_batch, small_config

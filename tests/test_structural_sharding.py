@@ -21,9 +21,11 @@ import pytest
 from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
-from maxmoe.config import MESH_AXES, CheckpointConfig, load_config
-from maxmoe.model.spec import layer_groups, pipeline_schedule
+from maxmoe.config import MESH_AXES, CheckpointConfig
+from maxmoe.config_files import load_config
+from maxmoe.model.spec import layer_groups
 from maxmoe.model.transformer import build_model
+from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.probe import replicated_leaves
 from maxmoe.sharding import make_mesh, stack_source_spec, state_dim_axes

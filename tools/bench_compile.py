@@ -12,7 +12,7 @@ import time
 import jax
 
 from maxmoe.bench import synthetic_batch
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import validate

@@ -15,7 +15,7 @@ import time
 import numpy as np
 from flax import nnx
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.generate import decode
 from maxmoe.generate.decode import Decoder
 from maxmoe.generate.mesh import parse_mesh

@@ -1,5 +1,5 @@
 """Peak RSS and time of reading an HF checkpoint whole (from_hf.read_hf) vs one process's share
-of every leaf (convert/hf_slices.LeafReader, 1/N of each leaf along its expert dim, else its
+of every leaf (hf/slices.LeafReader, 1/N of each leaf along its expert dim, else its
 first dim N divides), each in a fresh subprocess (getrusage(RUSAGE_CHILDREN): C++ and mmap
 pages included; "baseline" is the imports and the reader's set-up alone):
 
@@ -40,7 +40,7 @@ def child(hf_dir: str, mode: str, share: int) -> dict:
     import numpy as np
 
     from maxmoe.convert.from_hf import read_hf
-    from maxmoe.convert.hf_slices import LeafReader
+    from maxmoe.hf.slices import LeafReader
 
     t = time.perf_counter()
     if mode == "baseline":  # imports and the reader's set-up, nothing read

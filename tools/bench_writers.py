@@ -126,7 +126,7 @@ def child(argv: list[str]) -> int:
     """`maxmoe train ARGV` in this process, with contract-shaped arrays in every record."""
     # imported here, after main() put this tree first on sys.path
     from maxmoe.cli import main
-    from maxmoe.config import load_config
+    from maxmoe.config_files import load_config
     from maxmoe.train import hooks
 
     cfg, _ = load_config([a for a in argv if a.endswith(".yaml")],

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURE = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, r.returncode)")
 FIXED = ("import sys; import tensorstore; import maxmoe.convert.from_hf; "
-         "from maxmoe.convert.hf_slices import LeafReader; LeafReader(sys.argv[1])")
+         "from maxmoe.hf.slices import LeafReader; LeafReader(sys.argv[1])")
 
 
 def peak_rss(argv: list[str], cwd: Path) -> int:
@@ -41,7 +41,7 @@ def peak_rss(argv: list[str], cwd: Path) -> int:
 
 def largest_tensor(hf_dir: Path) -> tuple[str, int, int]:
     """(name, bytes on disk, elements) of the checkpoint's largest tensor."""
-    from maxmoe.convert.safetensors_io import SafetensorsReader  # late: after sys.path is set
+    from maxmoe.hf.safetensors_io import SafetensorsReader  # late: after sys.path is set
 
     reader = SafetensorsReader(hf_dir)
     sizes = {}

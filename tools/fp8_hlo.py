@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.kernels.fp8 import fp8_dot
 from maxmoe.kernels.fp8_ragged import fp8_ragged_dot
 from maxmoe.plan.gpu_aot import gpu_devices

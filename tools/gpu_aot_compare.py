@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.bench import memory_analysis
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.gpu_aot import gpu_devices
 from maxmoe.sharding import make_mesh, use_mesh

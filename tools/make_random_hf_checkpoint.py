@@ -17,10 +17,10 @@ import numpy as np
 def write_random_checkpoint(cfg, out: Path, shard_bytes: int) -> int:
     """Writes config.json + random bf16 safetensors of the model cfg describes; returns the
     number of hub parameters."""
-    from maxmoe.convert.checkpoint_io import abstract_params
-    from maxmoe.convert.hf_config import config_to_hf, family_for
-    from maxmoe.convert.names import hub_shape, hub_tensors, mtp_shared_copies
-    from maxmoe.convert.safetensors_io import write_safetensors
+    from maxmoe.hf.config import config_to_hf, family_for
+    from maxmoe.hf.names import hub_shape, hub_tensors, mtp_shared_copies
+    from maxmoe.hf.safetensors_io import write_safetensors
+    from maxmoe.model.transformer import abstract_params
 
     shapes = abstract_params(cfg)
     tensors = hub_tensors(cfg, family_for(cfg)) + mtp_shared_copies(cfg)
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--shard-gb", type=float, default=5.0)
     args = parser.parse_args()
 
-    from maxmoe.config import load_config
+    from maxmoe.config_files import load_config
 
     cfg, _ = load_config([args.preset], args.overrides)
     total = write_random_checkpoint(cfg, Path(args.out_dir), int(args.shard_gb * 2**30))

@@ -39,7 +39,8 @@ def measure(ep: int, path: str, a) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from maxmoe.config import DEFAULT_RULES, load_config
+    from maxmoe.config import DEFAULT_RULES
+    from maxmoe.config_files import load_config
     from maxmoe.parallel.experts import routed_experts
     from maxmoe.plan.gpu_aot import gpu_devices
     from maxmoe.plan.probe import largest_buffers

@@ -69,7 +69,7 @@ from ejkernel.types import MaskInfo
 
 # maxmoe's own FLOPs formula and peak measurement (pure JAX, importable from this venv too), so
 # both sides of the comparison use one of each
-from maxmoe.config import load_config  # noqa: E402
+from maxmoe.config_files import load_config  # noqa: E402
 from maxmoe.metrics.flops import MatmulPeak, flops_per_token  # noqa: E402
 
 # importing ejkernel points JAX's persistent compilation cache at ~/.cache/ejkernel-cache; maxmoe

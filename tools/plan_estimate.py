@@ -5,9 +5,9 @@ step time and collective bytes per axis.
 """
 import sys
 
-from maxmoe.config import load_config
+from maxmoe.cluster import load_cluster
+from maxmoe.config_files import load_config
 from maxmoe.plan import search
-from maxmoe.plan.cluster import load_cluster
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.validation import dcn_sizes, validate
 

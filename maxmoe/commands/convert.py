@@ -56,8 +56,8 @@ def run(args) -> int:
     """Converts one checkpoint; exit 0, or 2 with one line when the input cannot be converted."""
     # late: the conversions import JAX; keeps `maxmoe --help` free of it
     from maxmoe.convert.from_hf import convert_from_hf
-    from maxmoe.convert.safetensors_io import ConversionError
     from maxmoe.convert.to_hf import convert_to_hf
+    from maxmoe.hf.safetensors_io import ConversionError
 
     t = time.perf_counter()
     try:

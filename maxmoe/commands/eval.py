@@ -9,7 +9,8 @@ import sys
 
 from maxmoe.commands.bench import positive_int
 from maxmoe.commands.setup import configure
-from maxmoe.config import ConfigError, load_config
+from maxmoe.config import ConfigError
+from maxmoe.config_files import load_config
 
 USAGE = """\
 Evaluate a checkpoint: the mean next-token cross-entropy over the first train.eval_batches

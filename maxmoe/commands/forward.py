@@ -27,7 +27,7 @@ def run(args) -> int:
     """Writes the logits of --input to --output; exit 0, or 2 with one line on a bad input."""
     # late: the forward pass imports JAX; keeps `maxmoe --help` free of it
     from maxmoe.convert.forward import forward_logits
-    from maxmoe.convert.safetensors_io import ConversionError
+    from maxmoe.hf.safetensors_io import ConversionError
 
     if not Path(args.input).is_file():
         print(f"maxmoe: error: --input {args.input!r}: not found; pass a .npy of token ids",

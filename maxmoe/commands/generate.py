@@ -81,12 +81,12 @@ def run(args) -> int:
     one line (ConfigError, via cli.py) on a bad input."""
     _check_args(args)
     # late: JAX, the model and the checkpoint reader; keeps `maxmoe --help` free of them
-    from maxmoe.convert.checkpoint_io import read_converted, restore_params
-    from maxmoe.convert.safetensors_io import ConversionError
+    from maxmoe.convert.checkpoint_io import read_converted, read_params
     from maxmoe.generate import prompts as P
     from maxmoe.generate.decode import Decoder, left_pad
     from maxmoe.generate.mesh import parse_mesh
     from maxmoe.generate.sampling import Sampling
+    from maxmoe.hf.safetensors_io import ConversionError
 
     ckpt = Path(args.ckpt)
     try:
@@ -108,7 +108,7 @@ def run(args) -> int:
     mesh = parse_mesh(args.mesh) if args.mesh else None
     set_cpu_devices(cfg)
     try:
-        params = restore_params(ckpt, cfg)
+        params = read_params(ckpt, cfg)
     except ConversionError as e:
         raise ConfigError(str(e)) from None
     decoder = Decoder(cfg, params, dtype=args.dtype, mesh=mesh)

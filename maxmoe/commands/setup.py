@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.distributed import initialize
 
 

@@ -50,7 +50,7 @@ def run(args) -> int:
     # late: JAX, the training loop and the planner; keeps `maxmoe --help` free of them
     import jax
 
-    from maxmoe.plan.live import dry_run
+    from maxmoe.plan.live import dry_run, live_cluster, plan_writer
     from maxmoe.train.init_from import needs_init_from, open_init_source
     from maxmoe.train.loop import train
 
@@ -58,8 +58,10 @@ def run(args) -> int:
         if needs_init_from(cfg):  # a checkpoint the real run cannot start from fails here too
             open_init_source(cfg)
         return dry_run(cfg, sizes, args.cluster, sys.stdout)
+    # the planner prices <run.dir>/plan.json; a bad --cluster fails before the run dir is made
+    write_plan = plan_writer(live_cluster(args.cluster))
     t = time.perf_counter()
-    summary = train(cfg, sizes, cluster=args.cluster)
+    summary = train(cfg, sizes, first_compiled=write_plan)
     summary["wall_time_s"] = round(time.perf_counter() - t, 1)
     if jax.process_index() == 0:  # one summary per job, like the logs and metrics
         print(json.dumps(summary))

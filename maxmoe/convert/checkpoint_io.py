@@ -20,20 +20,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from maxmoe.config import Config, load_config, save_config
-from maxmoe.convert.names import get_path, leaf_paths
+from maxmoe.config import Config
+from maxmoe.config_files import load_config, save_config
 from maxmoe.convert.param_writer import save_streamed
-from maxmoe.convert.safetensors_io import ConversionError
-from maxmoe.model.transformer import build_model
+from maxmoe.hf.names import get_path, leaf_paths
+from maxmoe.hf.safetensors_io import ConversionError
+from maxmoe.model.transformer import abstract_params
 from maxmoe.sharding import make_mesh
-from maxmoe.train.checkpoint import Checkpointer
+from maxmoe.train.checkpoint import restore_params
+from maxmoe.train.evaluate import find_checkpoint
 from maxmoe.train.step import make_trainer
-
-
-def abstract_params(cfg: Config) -> dict:
-    """ShapeDtypeStructs of the pure dict of every model variable (params and router bias)."""
-    model = nnx.eval_shape(lambda: build_model(cfg, 0))
-    return nnx.to_pure_dict(nnx.state(model))
 
 
 def write_converted_config(out_dir: Path, cfg: Config, hf_config: dict | None = None,
@@ -72,7 +68,7 @@ def read_converted(ckpt_dir: Path, overrides: list[str] = ()) -> tuple[Config, d
     return cfg, hf_config, dtypes
 
 
-def restore_params(ckpt_dir: Path, cfg: Config, paths: list[tuple] | None = None) -> dict:
+def read_params(ckpt_dir: Path, cfg: Config, paths: list[tuple] | None = None) -> dict:
     """The params as numpy arrays; with `paths` (keys into the param dict) only those, read
     alone from a converted checkpoint (a training run directory restores everything)."""
     ckpt_dir = Path(ckpt_dir).resolve()
@@ -96,11 +92,13 @@ def restore_params(ckpt_dir: Path, cfg: Config, paths: list[tuple] | None = None
 def load_converted(ckpt_dir: Path, overrides: list[str] = ()) -> tuple[Config, dict, dict | None, dict]:
     """(config, params as numpy arrays, source HF config or None, hub tensor dtypes)."""
     cfg, hf_config, dtypes = read_converted(ckpt_dir, overrides)
-    return cfg, restore_params(ckpt_dir, cfg), hf_config, dtypes
+    return cfg, read_params(ckpt_dir, cfg), hf_config, dtypes
 
 
 def _params_from_run(run_dir: Path, cfg: Config) -> dict:
-    """The model variables of the newest step of a training run (params + router bias)."""
+    """The model variables of the newest committed step of a training run (params + router
+    bias), read as train.checkpoint.restore_params reads them: no optimizer state, and nothing
+    in the run directory created or deleted (a job may still be saving into it)."""
     if not (run_dir / "checkpoints").is_dir():
         raise ConversionError(f"{run_dir}: neither params/ nor checkpoints/ found; pass a "
                               "converted checkpoint or a training run directory")
@@ -108,11 +106,8 @@ def _params_from_run(run_dir: Path, cfg: Config) -> dict:
     mesh = make_mesh({"data": 1, "fsdp": 1, "pipeline": 1, "expert": 1, "tensor": 1},
                      jax.devices("cpu")[:1])
     trainer = make_trainer(cfg, mesh)
-    checkpointer = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-    try:
-        state, _ = checkpointer.restore(trainer.abstract_state)
-    finally:
-        checkpointer.close()
+    _, step_dir = find_checkpoint(run_dir)
+    state = restore_params(step_dir, trainer.abstract_state)
     merged = nnx.to_pure_dict(nnx.state(nnx.merge(
         trainer.graphdef, state["params"], *([state["buffers"]] if "buffers" in state else []))))
     return merged

@@ -2,7 +2,7 @@
 
 `convert_from_hf` (the CLI's) never holds the model: the checkpoint is written chunk by chunk
 (convert/param_writer.py), each chunk read as a slice of its param leaf from the hub tensors it
-covers (convert/hf_slices.py's LeafReader, memory-mapped, FP8 dequantized), and N processes
+covers (hf/slices.py's LeafReader, memory-mapped, FP8 dequantized), and N processes
 each write their share. `read_hf` returns the whole model as float32 arrays (tests, parity
 checks). Unknown and missing tensors are reported before anything is read.
 """
@@ -18,23 +18,24 @@ import jax
 import numpy as np
 
 from maxmoe.config import Config
-from maxmoe.convert.checkpoint_io import abstract_params, write_converted_config
-from maxmoe.convert.hf_config import config_from_hf, family_of
-from maxmoe.convert.hf_slices import LeafReader
-from maxmoe.convert.names import (
+from maxmoe.convert.checkpoint_io import write_converted_config
+from maxmoe.convert.param_writer import MAX_CHUNK_BYTES, Written, save_streamed
+from maxmoe.hf.config import config_from_hf, family_of
+from maxmoe.hf.names import (
     hub_shape,
     hub_tensors,
     hub_to_params,
     mtp_shared_copies,
     path_key,
 )
-from maxmoe.convert.param_writer import MAX_CHUNK_BYTES, Written, save_streamed
-from maxmoe.convert.safetensors_io import (
+from maxmoe.hf.safetensors_io import (
     SCALE_SUFFIX,
     ConversionError,
     SafetensorsReader,
     iter_names_with_scales,
 )
+from maxmoe.hf.slices import LeafReader
+from maxmoe.model.transformer import abstract_params
 
 
 def read_hf_config(hf_dir: Path) -> dict:

@@ -5,7 +5,7 @@ The directory is the layout Orbax's `PyTreeCheckpointHandler(use_ocdbt=False)` w
 pytree of numpy arrays (what `save_converted` wrote before): one zarr v2 array per leaf in a
 folder named by its dotted path (`layer_groups.1.mlp.gate/.zarray` + `0.0.0.0`-style chunk
 files, zstd level 1, float32), `_METADATA` (the tree), `_CHECKPOINT_METADATA` and
-`commit_success.txt`. Orbax's ordinary restore reads it unchanged (`restore_params`); only the
+`commit_success.txt`. Orbax's ordinary restore reads it unchanged (`read_params`); only the
 chunk shapes differ from Orbax's choice, which restore takes from each `.zarray`. OCDBT is not
 used: its per-process B-trees must be merged by one process at the end, and that merge is
 Orbax's private code; plain zarr lets every process write whole chunk files on its own.
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import tensorstore as ts
 
-from maxmoe.convert.safetensors_io import ConversionError
+from maxmoe.hf.safetensors_io import ConversionError
 
 MAX_CHUNK_BYTES = 64 * 2**20  # Orbax's chunk_byte_size that save_converted used
 IN_FLIGHT = 1  # chunks being compressed and written while the next one is produced

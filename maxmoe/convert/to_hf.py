@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from maxmoe.convert.checkpoint_io import abstract_params, read_converted, restore_params
-from maxmoe.convert.hf_config import config_to_hf, family_for
-from maxmoe.convert.names import hub_shape, hub_tensors, mtp_shared_copies, params_to_hub
-from maxmoe.convert.safetensors_io import write_safetensors
+from maxmoe.convert.checkpoint_io import read_converted, read_params
+from maxmoe.hf.config import config_to_hf, family_for
+from maxmoe.hf.names import hub_shape, hub_tensors, mtp_shared_copies, params_to_hub
+from maxmoe.hf.safetensors_io import write_safetensors
+from maxmoe.model.transformer import abstract_params
 
 HF_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -53,7 +54,7 @@ def convert_to_hf(ckpt_dir: Path, out_dir: Path, dtype: str | None = None,
         paths = () if whole else paths_of[name]
         if paths not in loaded:
             loaded.clear()  # free the previous group first
-            loaded[paths] = restore_params(ckpt_dir, cfg, None if whole else list(paths))
+            loaded[paths] = read_params(ckpt_dir, cfg, None if whole else list(paths))
         return params_to_hub(tensors[name], loaded[paths])
 
     out_dir = Path(out_dir)

@@ -6,7 +6,7 @@ the logit gradient): with DeepSeek-V3's 129K vocabulary that is 2 GiB each per 4
 Here the forward pass keeps only each position's log-sum-exp, and the backward pass recomputes
 one [B, chunk, V] block of logits at a time (one more LM-head matmul, as MaxText's vocabulary
 tiling does) to form its gradient. A block holds every row a device has; model.outer_microbatches
-hands this fewer rows at a time (model/row_groups.py).
+hands this fewer rows at a time (parallel/row_groups.py).
 """
 
 from __future__ import annotations

@@ -12,12 +12,13 @@ Under precision.fp8 (tensorwise / blockwise) MFU is counted per matmul class (MF
 MFU = sum over classes c of (FLOPs_c per second) / (peak FLOP/s of c's precision).
 - FP8 class: the attention projections (GQA q/k/v/o; MLA q, q_a, q_b, kv_a, k_rope, k_nope, v,
   o), dense MLPs, shared experts and the top-k routed experts, in the main layers and in the MTP
-  depths' blocks: 6 x their weights (`fp8_params_per_token`), against GPU_PEAK_FP8.
+  depths' blocks: 6 x their weights (`fp8_params_per_token`), against the FP8 peak of the GPU's
+  configs/devices/ file (the one source of device peaks).
 - BF16 class: everything else: LM head, router, norms, the attention core (scores and values),
   the MTP projection, against the bf16 peak. With fp8 = none everything is BF16 and MFU is the
   plain total FLOPs / bf16 peak, as before.
-Where no FP8 peak is known (A100: no FP8 tensor cores; CPU, whose peak is measured; a peak given
-by logging.peak_flops_per_device) the FP8 class is counted at the bf16 peak, and the peak's
+Where no FP8 peak is known (a GPU kind with no configs/devices/ file, whose bf16 peak is measured
+too; CPU, whose peak is measured; a peak given by logging.peak_flops_per_device) the FP8 class is counted at the bf16 peak, and the peak's
 source says so: a fall-back, not an error, since such a run still trains (XLA upcasts).
 """
 
@@ -28,13 +29,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from maxmoe.cluster import device_kind, load_device_kind
 from maxmoe.config import Config
 from maxmoe.model.spec import layer_groups
-
-# dense bf16 peak per device (no sparsity), from vendor data sheets
-GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
-# dense FP8 (E4M3) peak per device, the same data sheets; A100 has no FP8 tensor cores
-GPU_PEAK_FP8 = {"H100": 1979e12, "H200": 1979e12, "H800": 1979e12, "B200": 4500e12}
 
 
 def attention_params(cfg: Config) -> int:
@@ -193,14 +190,18 @@ class MatmulPeak:
         return f"best {self.label} of {self.count} on this host"
 
 
-def _data_sheet_peak(table: dict[str, float] = GPU_PEAK_BF16,
-                     precision: str = "bf16") -> tuple[float, str] | None:
+def _data_sheet_peak(precision: str = "bf16") -> tuple[float, str] | None:
+    """(dense peak FLOP/s per device of `precision`, its source) from the GPU's
+    configs/devices/ file (cluster.device_kind); None on other platforms or a GPU kind
+    with no file."""
     device = jax.devices()[0]
-    if device.platform == "gpu":
-        for name, peak in table.items():
-            if name in device.device_kind:
-                return peak, f"{device.device_kind} {precision} data-sheet peak"
-    return None
+    if device.platform != "gpu":
+        return None
+    _, name = device_kind()
+    if name is None:
+        return None
+    fields, _ = load_device_kind(name)
+    return fields[f"peak_{precision}_flops"], f"{device.device_kind} {precision} data-sheet peak"
 
 
 def peak_meter(cfg: Config) -> MatmulPeak | None:
@@ -230,7 +231,7 @@ def fp8_peak_flops(cfg: Config, bf16: tuple[float, str]) -> tuple[float, str]:
     """(FP8 peak FLOP/s of all devices, how it was obtained): the GPU's FP8 data sheet where
     the bf16 peak came from the data sheet too, else `bf16` (peak_flops' result) again, its
     source saying that FP8 GEMMs are counted at the bf16 peak (module docstring)."""
-    sheet = _data_sheet_peak(GPU_PEAK_FP8, "fp8")
+    sheet = _data_sheet_peak("fp8")
     if cfg.logging.peak_flops_per_device <= 0 and sheet is not None:
         return sheet[0] * jax.device_count(), sheet[1]
     return bf16[0], f"no fp8 peak known: the bf16 one ({bf16[1]})"

@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from maxmoe.config import Config, LoggingConfig, fail, to_dict
+from maxmoe.config import Config, LoggingConfig, fail
+from maxmoe.config_files import to_dict
 from maxmoe.metrics.tensorboard import Heatmap, flatten
 
 MODES = ("offline", "online", "disabled")

@@ -19,14 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxmoe.kernels.blocked_mlp import block_expert_mlp, block_expert_mlp_accumulate
 from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes
-from maxmoe.kernels.grouped_matmul import (
-    _stable_argsort,
-    block_expert_mlp,
-    block_expert_mlp_accumulate,
-    blocked_rows,
-    dropless_local,
-)
+from maxmoe.kernels.grouped_matmul import _stable_argsort, blocked_rows, dropless_local
 
 
 @dataclasses.dataclass(frozen=True)

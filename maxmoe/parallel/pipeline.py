@@ -3,7 +3,7 @@
 A stack of L layers is cut into P stages x V repeats: C = P V chunks in layer order, chunk
 c = v P + p runs on stage p in pass v. Chunks may be unequal (model.pipeline_stage_layers, or
 as even as possible): every stage runs `slots` = the longest chunk's layers per pass, shorter
-chunks padded with masked identity slots (model/spec.py's PipelineSchedule says what that
+chunks padded with masked identity slots (parallel/schedule.py.s PipelineSchedule says what that
 costs). All stages run at once as one `vmap` over the stage dimension, mapped onto the
 pipeline mesh axis (`spmd_axis_name`), so XLA partitions it and every stage keeps its own
 weights; between iterations the activations move one stage along the ring (a collective
@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from maxmoe.model.row_groups import MAXED, ROOT_MEAN_SQUARE
-from maxmoe.model.spec import PipelineSchedule
+from maxmoe.parallel.row_groups import MAXED, ROOT_MEAN_SQUARE
+from maxmoe.parallel.schedule import PipelineSchedule
 from maxmoe.sharding import (
     current_mesh,
     entry_axes,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 from pathlib import Path
 from typing import TextIO
@@ -19,31 +18,13 @@ from typing import TextIO
 import jax
 
 from maxmoe.bench import memory_line
+from maxmoe.cluster import Cluster, device_kind, kind_slug, load_cluster, load_device_kind
 from maxmoe.config import Config
-from maxmoe.plan.cluster import Cluster, known_kinds, load_cluster, load_device_kind
 from maxmoe.plan.planner import describe
 from maxmoe.plan.probe import abstract_batch, compiled_figures
 from maxmoe.plan.report import GIB, plan_figures
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
-
-# jax's device_kind -> configs/devices/ file; other kinds are looked up by their slug
-DEVICE_KINDS = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA H800": "h800",
-                "NVIDIA B200": "b200"}
-
-
-def kind_slug(device_kind: str) -> str:
-    """"NVIDIA A100-SXM4-80GB" -> "nvidia_a100_sxm4_80gb": the file name an unknown kind needs."""
-    return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
-
-
-def device_kind() -> tuple[str, str | None]:
-    """(jax's device_kind of this job's devices, its configs/devices/ name or None)."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        return device.device_kind, "cpu"
-    name = DEVICE_KINDS.get(device.device_kind) or kind_slug(device.device_kind)
-    return device.device_kind, name if name in known_kinds() else None
 
 
 def live_cluster(spec: str = "") -> Cluster | None:
@@ -110,6 +91,14 @@ def write_plan(path: Path, setup: RunSetup, compiled, cluster: Cluster | None,
     figures = live_figures(setup, compiled, cluster, compile_s)
     path.write_text(json.dumps(figures, indent=1) + "\n")
     return time.perf_counter() - t
+
+
+def plan_writer(cluster: Cluster | None):
+    """The training loop's first_compiled hook: writes <run_dir>/plan.json (write_plan) priced
+    on `cluster` (None: memory figures only); returns the seconds that took."""
+    def write(setup: RunSetup, compiled, compile_s: float, run_dir: Path) -> float:
+        return write_plan(run_dir / "plan.json", setup, compiled, cluster, compile_s)
+    return write
 
 
 def dry_run(cfg: Config, mesh_sizes: dict[str, int], cluster_spec: str, out: TextIO) -> int:

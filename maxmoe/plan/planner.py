@@ -7,9 +7,10 @@ import dataclasses
 import math
 from typing import TextIO
 
-from maxmoe.config import ConfigError, load_config
+from maxmoe.cluster import Cluster, load_cluster
+from maxmoe.config import ConfigError
+from maxmoe.config_files import load_config
 from maxmoe.plan import gpu_aot, search
-from maxmoe.plan.cluster import Cluster, load_cluster
 from maxmoe.plan.collectives import CommBytes, summarize
 from maxmoe.plan.probe import COMPILERS, GPU_STAND_INS, ProbeFailed, run_probe
 from maxmoe.plan.report import GIB, mesh_text, plan_figures, table, write_config

@@ -30,7 +30,8 @@ import jax
 import numpy as np
 
 from maxmoe.bench import memory_analysis
-from maxmoe.config import ConfigError, load_config
+from maxmoe.config import ConfigError
+from maxmoe.config_files import load_config
 from maxmoe.kernels.attention import cudnn_takes
 from maxmoe.metrics.flops import fp8_params_per_token
 from maxmoe.model.spec import pipeline_idle

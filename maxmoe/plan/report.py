@@ -7,8 +7,8 @@ from pathlib import Path
 
 import yaml
 
+from maxmoe.cluster import Cluster
 from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config
-from maxmoe.plan.cluster import Cluster
 from maxmoe.plan.roofline import checkpoint, compute_peak, cost, step_time, throughput
 
 GIB = 2.0**30

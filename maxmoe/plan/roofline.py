@@ -14,8 +14,8 @@ import re
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 
+from maxmoe.cluster import Cluster, load_device_kind
 from maxmoe.config import ConfigError
-from maxmoe.plan.cluster import Cluster
 
 # ---------------------------------------------------------------- the compute efficiency
 # DeepSeek-V3 (arXiv 2412.19437): pre-training on 14.8T tokens took 2.664M H800 GPU-hours
@@ -27,8 +27,9 @@ V3_PRETRAIN_GPU_HOURS = 2.664e6
 # + 31.2 GFLOPs of causal attention = 260,647,919,616 FLOPs per token (2.606e11);
 # tests/plan/test_roofline.py recomputes it, so a change of the count shows up there.
 V3_FLOPS_PER_TOKEN = 260_647_919_616
-H800_PEAK_BF16 = 989e12  # dense, NVIDIA H100/H800 SXM data sheet (half the 2:4-sparse figure)
-H800_PEAK_FP8 = 1979e12
+# V3's GPU's dense peaks, from its device file (the one source of device figures)
+H800_PEAK_BF16 = load_device_kind("h800")[0]["peak_bf16_flops"]
+H800_PEAK_FP8 = load_device_kind("h800")[0]["peak_fp8_flops"]
 # 14.8e12 tok x 2.606e11 FLOP/tok = 3.858e24 FLOPs over 2.664e6 x 3600 = 9.590e9 GPU-seconds
 # -> 4.022e14 FLOP/s achieved per GPU = 40.7% of the bf16 dense peak (20.3% of the fp8 peak).
 # It is end to end: whatever communication and pipeline bubble DualPipe did not hide is in it,

@@ -17,12 +17,13 @@ from collections.abc import Iterator
 import jax.numpy as jnp
 import numpy as np
 
+from maxmoe.cluster import Cluster
 from maxmoe.config import MESH_AXES, Config, ConfigError
 from maxmoe.metrics.flops import flops_per_token, fp8_params_per_token
-from maxmoe.model.spec import layer_groups, pipeline_idle, pipeline_schedule
+from maxmoe.model.spec import layer_groups, pipeline_idle
 from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
-from maxmoe.plan.cluster import Cluster
+from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.roofline import compute_peak, step_time
 from maxmoe.validation import shards, stage_batch_shards, validate

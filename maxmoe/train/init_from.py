@@ -7,7 +7,7 @@ position, guard counters and loss scale are those of a new run.
 
 Loading is sharded: every process places only its own devices' shards. A maxmoe checkpoint is
 restored by Orbax onto the run's shardings; an HF checkpoint is read slice by slice from its
-safetensors (`convert/hf_slices.py`, `jax.make_array_from_callback`), so no host holds more than
+safetensors (`hf/slices.py`, `jax.make_array_from_callback`), so no host holds more than
 its share of the model plus one hub tensor.
 
 The run's architecture (ARCHITECTURE below) must equal the checkpoint's; a mismatch is a
@@ -28,9 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from maxmoe.config import Config, ConfigError, fail, load_config
-from maxmoe.convert.hf_slices import LeafReader
-from maxmoe.convert.safetensors_io import ConversionError
+from maxmoe.config import Config, ConfigError, fail
+from maxmoe.config_files import load_config
+from maxmoe.hf.safetensors_io import ConversionError
+from maxmoe.hf.slices import LeafReader
 from maxmoe.parallel.dispatch import resolve_transport
 from maxmoe.sharding import use_mesh
 from maxmoe.train import checkpoint

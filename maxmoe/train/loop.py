@@ -34,6 +34,7 @@ The run's tokenizer (with its chat template) is saved in <run.dir>/tokenizer/ at
 
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from collections.abc import Callable
@@ -41,19 +42,14 @@ from pathlib import Path
 
 import jax
 
-from maxmoe.config import Config, save_config, to_dict
+from maxmoe.config import Config
+from maxmoe.config_files import save_config, to_dict
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import RUN_TOKENIZER_DIR, save_tokenizer
 from maxmoe.distributed import wait_for_processes
 from maxmoe.metrics.events import EventLog
-from maxmoe.metrics.flops import mfu_peak
-from maxmoe.metrics.host import HostTiming
-from maxmoe.metrics.progress import Progress, progress_metrics, say
-from maxmoe.metrics.tensorboard import TensorBoardWriter
-from maxmoe.metrics.wandb_writer import WandbWriter, check_wandb
-from maxmoe.metrics.writers import Background, MetricsWriter, Sink
+from maxmoe.metrics.wandb_writer import check_wandb
 from maxmoe.model.spec import moe_layer_indices
-from maxmoe.plan.live import live_cluster, write_plan
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer, check_resumable
 from maxmoe.train.evaluate import Evaluator, model_tokenizer
@@ -61,12 +57,11 @@ from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
 from maxmoe.train.init_from import InitSource, initial_state, needs_init_from, open_init_source
 from maxmoe.train.profiling import ProfileWindow
+from maxmoe.train.reporting import log, log_window, logging_hooks, metric_sinks
 from maxmoe.train.setup import RunSetup, prepare_run
 
-
-def log(msg: str) -> None:
-    if jax.process_index() == 0:
-        say(msg)
+# (setup, compiled first step, compile seconds, run_dir=) -> seconds it took; see `train`
+FirstCompiled = Callable[..., float]
 
 
 class _Preemption:
@@ -152,12 +147,14 @@ def _open_init(cfg: Config) -> InitSource:
     return init
 
 
-def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
+def train(cfg: Config, mesh_sizes: dict[str, int],
+          first_compiled: FirstCompiled | None = None) -> dict:
     """Trains to cfg.train.steps (resuming from the run directory, else starting from
     train.init_from's weights where set); returns a summary.
-    cluster: the --cluster spec that prices <run.dir>/plan.json (default: the devices' kind)."""
-    # every check before the first write: a refused start leaves run.dir as it was
-    plan_cluster = live_cluster(cluster)  # a bad --cluster spec
+    first_compiled: run by process 0 once the first step compiled (`maxmoe train` writes
+    <run.dir>/plan.json with it); its seconds are the summary's plan_json_s."""
+    # every check before the first write: a refused start leaves run.dir as it was (a bad
+    # --cluster spec fails in `maxmoe train`, which builds first_compiled, before this)
     check_wandb(cfg.logging)  # W&B asked for without its package
     # a train.init_from that does not match (unless the run's own checkpoints win)
     init = _open_init(cfg) if needs_init_from(cfg) else None
@@ -185,16 +182,16 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
         ckpt.close()
         log("nothing to do: the run already reached train.steps (raise it to train further)")
         return {"start_step": start, "final_step": start, "preempted": False}
-    sinks = _metric_sinks(cfg, run_dir, start) if jax.process_index() == 0 else []
+    sinks = metric_sinks(cfg, run_dir, start) if jax.process_index() == 0 else []
     loop = _Loop(setup, ckpt, data_iter, preemption, log_window(setup))
     loop.guard.events = EventLog(run_dir / "events.jsonl" if jax.process_index() == 0 else None)
-    if jax.process_index() == 0:
-        loop.plan = (run_dir / "plan.json", plan_cluster)
+    if jax.process_index() == 0 and first_compiled is not None:
+        loop.first_compiled = functools.partial(first_compiled, run_dir=run_dir)
     loop.profile = ProfileWindow.from_config(cfg, run_dir, start + 1, log)
     loop.hooks += [
         *([Hook(cfg.train.eval_every_steps, loop.evaluator(tokenizer), reads_state=True)]
           if cfg.train.eval_every_steps else []),
-        *_logging_hooks(cfg.logging.every_steps, setup.tokens_per_step, sinks),
+        *logging_hooks(cfg.logging.every_steps, setup.tokens_per_step, sinks),
         Hook(cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0,
              loop.saver(config_json, layout), at_end=True, reads_state=True),
     ]
@@ -219,38 +216,6 @@ def train(cfg: Config, mesh_sizes: dict[str, int], cluster: str = "") -> dict:
     return summary
 
 
-def log_window(setup: RunSetup) -> LogWindow:
-    """The run's first LogWindow, its MFU (metrics.jsonl, the progress bar) against
-    metrics.flops.mfu_peak: FP8-class FLOPs over the FP8 peak and the rest over the bf16 one
-    under precision.fp8, as `maxmoe bench` counts; logs the FLOPs and the peak."""
-    peak, source = mfu_peak(setup.cfg)
-    log(f"model FLOPs/step {setup.model_flops:.3e}; peak {peak:.3e} FLOP/s ({source})")
-    return LogWindow(setup, peak, HostTiming())
-
-
-def _metric_sinks(cfg: Config, run_dir: Path, start: int) -> list[Sink]:
-    """Where process 0 writes each logged record: metrics.jsonl (the source of truth, first),
-    TensorBoard and W&B (each in its own thread, writers.Background), the progress display."""
-    sinks: list[Sink] = [MetricsWriter(run_dir, enabled=True)]
-    if cfg.logging.tensorboard:
-        sinks.append(Background(TensorBoardWriter(run_dir / "tensorboard", start), "tensorboard"))
-    if cfg.logging.wandb_project:
-        sinks.append(Background(WandbWriter(cfg, run_dir), "W&B"))
-    return [*sinks, Progress(cfg.train.steps, cfg.logging.progress_bar)]
-
-
-def _logging_hooks(every: int, tokens_per_step: int, sinks: list[Sink]) -> list[Hook]:
-    """The logging hooks, at the same steps on every process: first the progress figures of
-    the record (a collective with several processes, so every process runs it), then one hook
-    per sink (process 0 has them; the other processes none)."""
-    def add_progress(event: StepEnd) -> None:
-        record = event.record()
-        record.update(progress_metrics(event.step, tokens_per_step, record.get("step_time_s")))
-
-    return [Hook(every, fn, at_end=True, writes=True) for fn in [
-        add_progress, *[lambda e, s=s: s.write(e.step, e.record()) for s in sinks]]]
-
-
 class _Loop:
     """The steps of one run: dispatch, guards one step late, hooks (module docstring)."""
 
@@ -263,7 +228,7 @@ class _Loop:
         self.hooks: list[Hook] = []
         self.save_blocking_s: list[float] = []
         self.t0 = 0.0  # when the loop started: the first step's compile time counts from it
-        self.plan = None  # (path, cluster or None): where process 0 writes the plan's figures
+        self.first_compiled: Callable | None = None  # train's first_compiled, run_dir bound
         self.profile: ProfileWindow | None = None  # logging.profile_start's trace window
 
     def evaluator(self, tokenizer) -> Callable[[StepEnd], None]:
@@ -325,7 +290,7 @@ class _Loop:
 
     def compile_first(self, state, batch, summary: dict) -> None:
         """Compiles the step ahead of its first call (the jit call then finds the executable in
-        JAX's cache: no second compile), writes plan.json from it (process 0), and with several
+        JAX's cache: no second compile), runs `first_compiled` on it, and with several
         processes waits until every one has compiled: their first collective must meet within
         Gloo's fixed 30 s on CPU, less than the compile-time skew of a loaded host."""
         t = time.perf_counter()
@@ -333,10 +298,9 @@ class _Loop:
             compiled = self.trainer.jitted_step.lower(state, batch).compile()
         if self.profile is not None:
             self.profile.compiled = compiled  # its HLO names the traced ops
-        if self.plan is not None:
-            path, cluster = self.plan
+        if self.first_compiled is not None:
             summary["plan_json_s"] = round(
-                write_plan(path, self.setup, compiled, cluster, time.perf_counter() - t), 3)
+                self.first_compiled(self.setup, compiled, time.perf_counter() - t), 3)
         if jax.process_count() > 1:
             wait_for_processes("maxmoe_first_step_compiled",
                                self.setup.cfg.distributed.initialization_timeout_s)

@@ -28,10 +28,10 @@ from maxmoe.config import Config
 from maxmoe.metrics.diagnostics import grad_norms_by_group, update_ratios
 from maxmoe.metrics.router_health import init_window, update_window
 from maxmoe.model.router import RouterBias
-from maxmoe.model.row_groups import combine_stacked
 from maxmoe.model.spec import layer_groups, moe_layer_indices
 from maxmoe.model.transformer import LossShare, build_model, load_summary, loss_token_counts
 from maxmoe.parallel.dispatch import resolve_transport
+from maxmoe.parallel.row_groups import combine_stacked
 from maxmoe.sharding import named, spec, state_shardings, use_mesh
 from maxmoe.train.guards import StepGuard, select
 from maxmoe.train.optimizer import learning_rate_schedule, make_optimizer

@@ -17,14 +17,15 @@ from safetensors.numpy import load_file, save_file
 
 import maxmoe.convert.to_hf
 from maxmoe.cli import main
-from maxmoe.config import load_config
-from maxmoe.convert import names
-from maxmoe.convert.checkpoint_io import abstract_params, restore_params
+from maxmoe.config_files import load_config
+from maxmoe.convert.checkpoint_io import read_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
-from maxmoe.convert.hf_config import family_for
-from maxmoe.convert.names import get_path
-from maxmoe.convert.safetensors_io import SafetensorsReader, dequantize_fp8
 from maxmoe.convert.to_hf import convert_to_hf
+from maxmoe.hf import names
+from maxmoe.hf.config import family_for
+from maxmoe.hf.names import get_path
+from maxmoe.hf.safetensors_io import SafetensorsReader, dequantize_fp8
+from maxmoe.model.transformer import abstract_params
 from tests.helpers import per_layer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,11 +233,11 @@ def test_conversion_never_holds_the_model_twice(tmp_path, monkeypatch):
     restored = []
 
     def restore_and_count(*args):
-        params = restore_params(*args)
+        params = read_params(*args)
         restored.append(sum(x.nbytes for x in jax.tree.leaves(params)))
         return params
 
-    monkeypatch.setattr(maxmoe.convert.to_hf, "restore_params", restore_and_count)
+    monkeypatch.setattr(maxmoe.convert.to_hf, "read_params", restore_and_count)
     convert_to_hf(tmp_path / "maxmoe", tmp_path / "hf", max_shard_bytes=2**20)
     assert sum(restored) == model_bytes and max(restored) < model_bytes / 4
     assert_bit_identical(hub_tensors(tmp_path / "hf"), hub_tensors(tmp_path / "hub"))

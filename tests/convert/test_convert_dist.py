@@ -17,10 +17,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from maxmoe.cli import main
-from maxmoe.config import load_config
-from maxmoe.convert.checkpoint_io import abstract_params, restore_params
+from maxmoe.config_files import load_config
+from maxmoe.convert.checkpoint_io import read_params
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
-from maxmoe.convert.names import get_path
 from maxmoe.convert.param_writer import (
     Chunk,
     array_name,
@@ -29,7 +28,9 @@ from maxmoe.convert.param_writer import (
     leaf_chunks,
     save_streamed,
 )
-from maxmoe.convert.safetensors_io import ConversionError, SafetensorsReader
+from maxmoe.hf.names import get_path
+from maxmoe.hf.safetensors_io import ConversionError, SafetensorsReader
+from maxmoe.model.transformer import abstract_params
 from tests.convert.test_convert import DEEPSEEK, make_hub_checkpoint_with_mtp_fp8_and_shards
 from tests.distributed.test_multiprocess import free_port
 from tools.convert_rss import convert_rss, fixed_rss, largest_tensor
@@ -117,7 +118,7 @@ def test_streamed_save_is_orbax_layout_and_restores_exactly(tmp_path):
         int(np.prod(s)) for s in shapes.values())
     assert max(4 * np.prod([s.stop - s.start for s in i]) for _, i in calls) <= 1024
     for directory in ("ours", "orbax"):  # the ordinary restore, unchanged
-        assert_trees_equal(restore_params(tmp_path / directory, cfg), params)
+        assert_trees_equal(read_params(tmp_path / directory, cfg), params)
     assert not (tmp_path / "ours" / "params.tmp").exists()
 
 
@@ -126,7 +127,7 @@ def test_fp8_mtp_sharded_hub_converts_in_small_chunks_like_read_hf(tmp_path):
     cfg, params, hf_config, dtypes = read_hf(tmp_path / "hub")
     _, written = convert_from_hf(tmp_path / "hub", tmp_path / "out", max_chunk_bytes=2048)
     assert written.chunks == written.total > len(leaves(params))  # leaves were cut
-    assert_trees_equal(restore_params(tmp_path / "out", cfg), params)
+    assert_trees_equal(read_params(tmp_path / "out", cfg), params)
     assert json.loads((tmp_path / "out" / "hf" / "tensor_dtypes.json").read_text()) == dtypes
     assert json.loads((tmp_path / "out" / "hf" / "config.json").read_text()) == hf_config
 
@@ -179,7 +180,7 @@ def test_two_processes_each_write_part_and_restore_like_one(tmp_path):
         written.append([int(w) for w in line.split("wrote ")[1].split(" chunks")[0].split(" of ")])
     (a, total), (b, total_b) = written
     assert a > 0 and b > 0 and a + b == total == total_b, written
-    assert_trees_equal(restore_params(tmp_path / "two", cfg), restore_params(tmp_path / "one", cfg))
+    assert_trees_equal(read_params(tmp_path / "two", cfg), read_params(tmp_path / "one", cfg))
     assert (tmp_path / "two" / "config.yaml").read_text() == (
         tmp_path / "one" / "config.yaml").read_text()
 

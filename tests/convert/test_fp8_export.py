@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from maxmoe.cli import main
-from maxmoe.config import load_config
-from maxmoe.convert.checkpoint_io import restore_params
-from maxmoe.convert.hf_config import family_for
-from maxmoe.convert.names import hub_tensors, params_to_hub
-from maxmoe.convert.safetensors_io import SafetensorsReader
+from maxmoe.config_files import load_config
+from maxmoe.convert.checkpoint_io import read_params
+from maxmoe.hf.config import family_for
+from maxmoe.hf.names import hub_tensors, params_to_hub
+from maxmoe.hf.safetensors_io import SafetensorsReader
 from maxmoe.train.loop import train
 from maxmoe.validation import validate
 
@@ -40,7 +40,7 @@ def test_fp8_run_exports_bf16(tmp_path, capsys):
     _train(fp8_run, 2, "blockwise")
     cfg, _ = load_config([str(fp8_run / "config.yaml")])
     assert cfg.precision.fp8 == "blockwise"
-    params = restore_params(fp8_run, cfg)
+    params = read_params(fp8_run, cfg)
     assert {a.dtype for a in jax.tree.leaves(params)} == {np.dtype(np.float32)}  # master weights
     assert main(["convert", "to-hf", str(fp8_run), str(tmp_path / "hf")]) == 0
     reader = SafetensorsReader(tmp_path / "hf")

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from maxmoe.cli import main
-from maxmoe.config import ConfigError, load_config
+from maxmoe.config import ConfigError
+from maxmoe.config_files import load_config
 from maxmoe.validation import validate
 
 from .conftest import english

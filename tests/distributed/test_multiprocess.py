@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.data.pipeline import make_dataset
 from maxmoe.data.tokenizer import load_tokenizer
 from maxmoe.sharding import make_mesh

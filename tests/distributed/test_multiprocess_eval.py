@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.data.pipeline import batch_spec, make_dataset
 from maxmoe.train import evaluate as ev
 from maxmoe.train.checkpoint import restore_params

@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 
 from maxmoe.cli import main
-from maxmoe.config import DEFAULT_RULES, CheckpointConfig, ConfigError, MoEConfig, to_dict
+from maxmoe.config import DEFAULT_RULES, CheckpointConfig, ConfigError, MoEConfig
+from maxmoe.config_files import to_dict
+from maxmoe.kernels.blocked_mlp import block_expert_mlp
 from maxmoe.kernels.fp8 import (
     E4M3,
     E4M3_MAX,
@@ -35,7 +37,7 @@ from maxmoe.kernels.fp8 import (
     quantize,
 )
 from maxmoe.kernels.fp8_ragged import fp8_ragged_dot
-from maxmoe.kernels.grouped_matmul import block_expert_mlp, blocked_rows, dropless_local
+from maxmoe.kernels.grouped_matmul import blocked_rows, dropless_local
 from maxmoe.parallel.experts import routed_experts
 from maxmoe.sharding import make_mesh, named, use_mesh
 from maxmoe.train.checkpoint import Checkpointer
@@ -480,7 +482,7 @@ def test_bf16_checkpoint_resumes_in_fp8(tmp_path):
 # partitioner and its log.
 COMPILE_BLOCKWISE = """
 import sys
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.plan.probe import abstract_batch
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe.kernels.grouped_matmul import GROUP, _stable_argsort, block_expert_mlp
+from maxmoe.kernels.blocked_mlp import GROUP, block_expert_mlp
+from maxmoe.kernels.grouped_matmul import _stable_argsort
 
 
 def test_block_expert_mlp_values_and_gradients_equal_float64_reference():

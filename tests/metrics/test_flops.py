@@ -3,7 +3,7 @@
 
 import pytest
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.metrics.flops import attention_flops_per_token, flops_per_token
 
 REFERENCE = "configs/bench/cpu_mixtral_tiny.yaml"

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import pytest
 
 from maxmoe.bench import memory_line, mfu_figures
-from maxmoe.config import load_config
+from maxmoe.cluster import load_cluster
+from maxmoe.config_files import load_config
 from maxmoe.kernels.fp8 import fp8_dot
 from maxmoe.metrics import flops as flops_module
 from maxmoe.metrics.flops import (
@@ -23,7 +24,6 @@ from maxmoe.metrics.flops import (
     mfu,
     peak_flops,
 )
-from maxmoe.plan.cluster import load_cluster
 from maxmoe.plan.roofline import (
     COMPUTE_EFFICIENCY,
     COMPUTE_EFFICIENCY_FP8,
@@ -32,7 +32,7 @@ from maxmoe.plan.roofline import (
     compute_peak,
     step_time,
 )
-from maxmoe.train.loop import log_window
+from maxmoe.train.reporting import log_window
 
 TINY_V3 = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml"]
 PRESETS = [TINY_V3, ["configs/tiny.yaml", "configs/models/tiny_mixtral.yaml"]]
@@ -119,7 +119,7 @@ def test_training_loop_mfu_counts_as_bench(fp8, monkeypatch):
     at the FP8 peak. Counting every FLOP at the bf16 peak (the old loop) gives
     mfu_vs_bf16_peak, which differs by the FP8 share (tiny V3: 649216 of its params per token)."""
     sheets = {"bf16": ("H200", 989e12), "fp8": ("H200", 1979e12)}
-    monkeypatch.setattr(flops_module, "_data_sheet_peak", lambda table=None, precision="bf16": (
+    monkeypatch.setattr(flops_module, "_data_sheet_peak", lambda precision="bf16": (
         sheets[precision][1] * 1.0, f"{sheets[precision][0]} {precision} data-sheet peak"))
     setup = fake_setup(tiny_v3(fp8))
     window = log_window(setup)  # LogWindow.close: mfu = model FLOPs / step time / window.peak

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxmoe.config import ConfigError, GuardConfig, load_config
+from maxmoe.config import ConfigError, GuardConfig
+from maxmoe.config_files import load_config
 from maxmoe.metrics.layers import layer_record
 from maxmoe.metrics.router_health import (
     dead_experts,

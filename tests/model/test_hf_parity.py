@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.convert.from_hf import read_hf
-from maxmoe.convert.hf_config import config_from_hf, config_to_hf, family_for
-from maxmoe.convert.safetensors_io import ConversionError
+from maxmoe.hf.config import config_from_hf, config_to_hf, family_for
+from maxmoe.hf.safetensors_io import ConversionError
 from maxmoe.model.spec import layer_groups
 from maxmoe.model.transformer import Transformer
 

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.metrics.flops import active_params_per_token
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model

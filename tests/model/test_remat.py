@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.model.transformer import SAVED_NAMES, build_model
+from maxmoe.model.block import SAVED_NAMES
+from maxmoe.model.transformer import build_model
 from maxmoe.sharding import global_batch, make_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import validate

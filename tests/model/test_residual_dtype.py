@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.model.transformer import build_model
 
 B, S = 2, 16

@@ -61,17 +61,13 @@ def _loss_and_grads(cfg, x, idx, weights, wg, wu, wd):
     return y, stats, grads
 
 
-@pytest.mark.parametrize("mesh, grouped_matmul", [(m, "blocked") for m in MESHES]
-                         + [("expert8", "ragged_dot")])  # the two backward forms of exchange_rounds
-def test_all_to_all_equals_one_device_under_worst_case_routing(mesh, grouped_matmul):
-    cfg = MoEConfig(num_experts=E, experts_per_token=K, transport="all_to_all",
-                    transport_buffer_factor=1.5, grouped_matmul=grouped_matmul, block_size=8)
-    x, idx, weights, wg, wu, wd = _inputs()
-    y_ref, _, g_ref = jax.jit(functools.partial(_loss_and_grads, cfg))(x, idx, weights, wg, wu,
-                                                                       wd)
-    sizes = MESHES[mesh]
-    replicated = mesh.endswith("replicated")
-    with use_mesh(make_mesh(sizes), RULES if replicated else DEFAULT_RULES):
+def sharded_equals_one_device(cfg, args, sizes: dict, rules) -> dict:
+    """Asserts that routed_experts' output and gradients on a mesh of `sizes` under `rules`
+    (tokens split over the batch, weights over W_AXES) equal one device's for `args`
+    (x, idx, weights, w_gate, w_up, w_down); returns the sharded run's stats."""
+    y_ref, _, g_ref = jax.jit(functools.partial(_loss_and_grads, cfg))(*args)
+    x, idx, weights, wg, wu, wd = args
+    with use_mesh(make_mesh(sizes), rules):
         tok = [jax.device_put(a, named(("batch", "seq", None))) for a in (x, idx, weights)]
         ws = [jax.device_put(w, named(a)) for w, a in zip((wg, wu, wd), W_AXES, strict=True)]
         y, stats, grads = jax.jit(functools.partial(_loss_and_grads, cfg))(*tok, *ws)
@@ -79,6 +75,18 @@ def test_all_to_all_equals_one_device_under_worst_case_routing(mesh, grouped_mat
     for name, g, r in zip(("x", "weights", "w_gate", "w_up", "w_down"), grads, g_ref,
                           strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=name)
+    return stats
+
+
+@pytest.mark.parametrize("mesh, grouped_matmul", [(m, "blocked") for m in MESHES]
+                         + [("expert8", "ragged_dot")])  # the two backward forms of exchange_rounds
+def test_all_to_all_equals_one_device_under_worst_case_routing(mesh, grouped_matmul):
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, transport="all_to_all",
+                    transport_buffer_factor=1.5, grouped_matmul=grouped_matmul, block_size=8)
+    sizes = MESHES[mesh]
+    replicated = mesh.endswith("replicated")
+    stats = sharded_equals_one_device(cfg, _inputs(), sizes,
+                                      RULES if replicated else DEFAULT_RULES)
     # rounds by definition: T local tokens per batch shard, all K assignments of a source go
     # to shard 0 (2+ experts a shard) or 1 per destination (one expert a shard)
     ep = sizes["expert"]

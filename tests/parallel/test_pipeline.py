@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.model.spec import PipelineSchedule
-from maxmoe.model.transformer import run_layers
+from maxmoe.model.block import run_layers
 from maxmoe.parallel import pipeline
 from maxmoe.parallel.pipeline import (
     _aux_add,
@@ -28,6 +27,7 @@ from maxmoe.parallel.pipeline import (
     run_pipeline,
     slot_permutes,
 )
+from maxmoe.parallel.schedule import PipelineSchedule
 from maxmoe.sharding import current_mesh, make_mesh, stack_source_spec, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
@@ -41,7 +41,7 @@ WARNING = "Involuntary full rematerialization"
 COMPILE = """
 import sys
 from maxmoe.bench import memory_analysis
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.plan.probe import abstract_batch
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer

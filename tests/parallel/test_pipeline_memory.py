@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from maxmoe.bench import memory_analysis
-from maxmoe.model.spec import pipeline_schedule
+from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.plan.probe import abstract_batch
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer

@@ -12,7 +12,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -20,14 +19,12 @@ from maxmoe.config import DEFAULT_RULES, ConfigError, MoEConfig
 from maxmoe.parallel.dispatch import ExpertShards, describe_transport, resolve_transport
 from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.plan.gpu_aot import gpu_devices
-from maxmoe.sharding import make_mesh, named, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
-from tests.parallel.test_dispatch import _loss_and_grads
+from tests.parallel.test_dispatch import sharded_equals_one_device
 
 E, K, D, F, GROUPS = 8, 2, 16, 8, 4
 B, S = 8, 16  # 128 tokens
-W_AXES = [("experts", "embed", "expert_mlp")] * 2 + [("experts", "expert_mlp", "embed")]
 
 
 def _inputs(worst: bool):
@@ -56,17 +53,7 @@ def test_two_level_equals_one_device(mesh, hosts, worst, kernel):
     cfg = MoEConfig(num_experts=E, experts_per_token=K, transport="two_level",
                     num_groups=GROUPS, groups_per_token=2, expert_hosts=hosts,
                     transport_buffer_factor=1.5, grouped_matmul=kernel, block_size=8)
-    args = _inputs(worst)
-    y_ref, _, g_ref = jax.jit(functools.partial(_loss_and_grads, cfg))(*args)
-    x, idx, weights, wg, wu, wd = args
-    with use_mesh(make_mesh(MESHES[mesh]), DEFAULT_RULES):
-        tok = [jax.device_put(a, named(("batch", "seq", None))) for a in (x, idx, weights)]
-        ws = [jax.device_put(w, named(a)) for w, a in zip((wg, wu, wd), W_AXES, strict=True)]
-        y, stats, grads = jax.jit(functools.partial(_loss_and_grads, cfg))(*tok, *ws)
-    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
-    for name, g, r in zip(("x", "weights", "w_gate", "w_up", "w_down"), grads, g_ref,
-                          strict=True):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5, err_msg=name)
+    stats = sharded_equals_one_device(cfg, _inputs(worst), MESHES[mesh], DEFAULT_RULES)
     assert float(stats["dropped_fraction"]) == 0.0
     if worst:  # hop 2: each of host 0's hop-1 receivers holds H T rows, all for device 0
         ep = MESHES[mesh]["expert"]

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 from maxmoe.cli import main
-from maxmoe.config import CheckpointConfig, save_config, to_dict
+from maxmoe.cluster import DEVICE_KINDS, kind_slug, known_kinds
+from maxmoe.config import CheckpointConfig
+from maxmoe.config_files import save_config, to_dict
 from maxmoe.plan import live
-from maxmoe.plan.cluster import known_kinds
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.step import make_trainer
@@ -75,8 +76,8 @@ def test_live_cluster_takes_the_job_s_device_counts():
 
 
 def test_every_mapped_device_kind_has_a_file():
-    assert set(live.DEVICE_KINDS.values()) <= set(known_kinds())
-    assert live.kind_slug("NVIDIA A100-SXM4-80GB") == "nvidia_a100_sxm4_80gb"
+    assert set(DEVICE_KINDS.values()) <= set(known_kinds())
+    assert kind_slug("NVIDIA A100-SXM4-80GB") == "nvidia_a100_sxm4_80gb"
 
 
 def test_an_unknown_kind_keeps_its_memory_figures_and_says_how_to_add_it(monkeypatch):

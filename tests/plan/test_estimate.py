@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.plan.estimate import state_bytes, state_leaves
 from maxmoe.sharding import make_mesh
 from maxmoe.train.step import make_trainer

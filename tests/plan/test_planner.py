@@ -7,9 +7,9 @@ import json
 import pytest
 
 from maxmoe.cli import main
-from maxmoe.config import load_config
+from maxmoe.cluster import load_cluster
+from maxmoe.config_files import load_config
 from maxmoe.plan import search
-from maxmoe.plan.cluster import load_cluster
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.probe import largest_buffers, model_part, run_probe
 from maxmoe.validation import validate

@@ -5,9 +5,10 @@ import dataclasses
 
 import pytest
 
-from maxmoe.config import ConfigError, load_config
+from maxmoe.cluster import load_cluster
+from maxmoe.config import ConfigError
+from maxmoe.config_files import load_config
 from maxmoe.metrics.flops import flops_per_token
-from maxmoe.plan.cluster import load_cluster
 from maxmoe.plan.roofline import (
     COMPUTE_EFFICIENCY,
     V3_FLOPS_PER_TOKEN,

@@ -1,7 +1,7 @@
 """The search's analytic MoE buffer rows (`search.moe_rows`) against the dispatch's own slot
 arithmetic, worked by hand here."""
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.plan import search
 from maxmoe.validation import validate
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
 from maxmoe.sharding import make_mesh, named, spec, state_shardings, use_mesh

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxmoe.config import load_config
+from maxmoe.config_files import load_config
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.step import make_trainer

@@ -240,7 +240,7 @@ def test_resume_with_another_model_layout_is_a_config_error_that_moves_nothing(
     this check, every step failed to restore, was quarantined as corrupt, and the run started
     from scratch. Now `maxmoe train` exits 2 naming the key, before anything compiles."""
     from maxmoe.cli import main
-    from maxmoe.config import to_dict
+    from maxmoe.config_files import to_dict
     from maxmoe.sharding import make_mesh
     from maxmoe.train.step import make_trainer
     from maxmoe.validation import validate

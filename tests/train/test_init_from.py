@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from maxmoe.cli import main
-from maxmoe.config import CheckpointConfig, ConfigError, load_config, save_config, to_dict
+from maxmoe.config import CheckpointConfig, ConfigError
+from maxmoe.config_files import load_config, save_config, to_dict
 from maxmoe.convert.from_hf import convert_from_hf, read_hf
 from maxmoe.sharding import global_batch, make_mesh, use_mesh
 from maxmoe.train import evaluate, loop, setup

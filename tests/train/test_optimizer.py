@@ -6,7 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from maxmoe.config import ConfigError, OptimizerConfig, load_config
+from maxmoe.config import ConfigError, OptimizerConfig
+from maxmoe.config_files import load_config
 from maxmoe.train.optimizer import clip_by_scheduled_global_norm, clip_norm_schedule, make_optimizer
 from maxmoe.validation import validate
 

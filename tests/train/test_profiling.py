@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from maxmoe.config import ConfigError, load_config
+from maxmoe.config import ConfigError
+from maxmoe.config_files import load_config
 from maxmoe.train.profiling import ProfileWindow
 from maxmoe.validation import validate
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
+from maxmoe.plan.live import live_cluster, plan_writer
 from maxmoe.sharding import make_mesh
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.loop import train
@@ -27,7 +28,8 @@ COMMON = ["model.vocab_size=512", "mesh.fsdp=2", "mesh.expert=2", "optimizer.war
 def _run(tmp_path, name, steps):
     cfg, origins = small_config(*COMMON, f"train.steps={steps}", f"run.dir={tmp_path / name}")
     sizes = validate(cfg, jax.device_count(), origins)
-    return cfg, sizes, train(cfg, sizes)
+    # plan.json is written by the hook `maxmoe train` passes
+    return cfg, sizes, train(cfg, sizes, first_compiled=plan_writer(live_cluster("")))
 
 
 def _final_state(cfg, sizes, tmp_path, name):

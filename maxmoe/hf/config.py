@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any
 
 from maxmoe.config import AttentionConfig, Config, MoEConfig
-from maxmoe.convert.safetensors_io import ConversionError
+from maxmoe.hf.safetensors_io import ConversionError
 
 FAMILIES = ("deepseek_v3", "deepseek_v2", "mixtral", "qwen3_moe")
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")

@@ -7,7 +7,7 @@ those rows and columns alone). A process that builds its devices' shards with
 `jax.make_array_from_callback(shape, sharding, lambda idx: reader.read(path, idx))` therefore
 touches about its share of the checkpoint, never the whole model.
 
-The tensor map is convert/names.py's: a hub tensor fills `param[part.index]` (the stacked
+The tensor map is hf/names.py's: a hub tensor fills `param[part.index]` (the stacked
 layer / expert it belongs to) of one or more leaves; a linear hub weight [out, in] is the
 transposed kernel, its out rows split into `groups` blocks of which a part takes a row range.
 """
@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from maxmoe.config import Config
-from maxmoe.convert.checkpoint_io import abstract_params
-from maxmoe.convert.hf_config import config_from_hf, family_of
-from maxmoe.convert.names import (
+from maxmoe.hf.config import config_from_hf, family_of
+from maxmoe.hf.names import (
     HubTensor,
     Part,
     hub_shape,
@@ -32,13 +31,14 @@ from maxmoe.convert.names import (
     mtp_shared_copies,
     path_key,
 )
-from maxmoe.convert.safetensors_io import (
+from maxmoe.hf.safetensors_io import (
     BLOCK,
     SCALE_SUFFIX,
     ConversionError,
     SafetensorsReader,
     iter_names_with_scales,
 )
+from maxmoe.model.transformer import abstract_params
 
 
 def _ranges(index: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from maxmoe.convert.from_hf import read_hf
-from maxmoe.convert.hf_slices import LeafReader, dequantize_fp8_block
-from maxmoe.convert.names import get_path
-from maxmoe.convert.safetensors_io import ConversionError, SafetensorsReader, dequantize_fp8
+from maxmoe.hf.names import get_path
+from maxmoe.hf.safetensors_io import ConversionError, SafetensorsReader, dequantize_fp8
+from maxmoe.hf.slices import LeafReader, dequantize_fp8_block
 from tests.convert.test_convert import (
     DEEPSEEK,
     FIXTURES,

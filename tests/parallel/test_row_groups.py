@@ -1,5 +1,5 @@
 """model.outer_microbatches: the work outside the pipelined layers over groups of rows
-(model/row_groups.py) gives the whole batch's loss, metrics and gradients, and its compiled
+(parallel/row_groups.py) gives the whole batch's loss, metrics and gradients, and its compiled
 temporaries are one group's.
 
 Reference: the same model and batch with model.outer_microbatches=1 (all rows at once), float32.
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from maxmoe.bench import memory_analysis
-from maxmoe.config import ConfigError, load_config
+from maxmoe.config import ConfigError
+from maxmoe.config_files import load_config
 from maxmoe.plan.probe import abstract_batch
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer

@@ -5,6 +5,8 @@ bandwidths and price, each figure with its source in a comment. A cluster file
 (configs/cluster/NAME.yaml) names a kind, a device count and optionally overrides any kind field.
 `load_cluster` reads either form, or builds `COUNTxKIND` (e.g. `2048xh800`) from the kind alone.
 Mesh files (configs/mesh/) are a different thing: a spec pointing there is refused by name.
+`device_kind` names the file of the devices a job runs on: the planner prices them and the
+training loop's MFU divides by their data-sheet peaks, both from configs/devices/.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jax
 import yaml
 
 from maxmoe.config import ConfigError, fail
 
 # the repository's configs/ (source checkouts), then the current directory's configs/
-PACKAGE_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PACKAGE_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 _SPEC = re.compile(r"(-?\d+)x([A-Za-z][\w-]*)")
 _FORMS = "a cluster file path, a name under configs/cluster/, or COUNTxKIND such as 2048xh800"
 
@@ -244,3 +247,22 @@ def load_cluster(spec: str) -> Cluster:
     raise ConfigError(f"--cluster {spec!r}: no such cluster; use one of "
                       f"{', '.join(known_clusters())}, or COUNTxKIND with a kind from "
                       f"{', '.join(known_kinds())}")
+
+
+# jax's device_kind -> configs/devices/ file; other kinds are looked up by their slug
+DEVICE_KINDS = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA H800": "h800",
+                "NVIDIA B200": "b200"}
+
+
+def kind_slug(device_kind: str) -> str:
+    """"NVIDIA A100-SXM4-80GB" -> "nvidia_a100_sxm4_80gb": the file name an unknown kind needs."""
+    return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
+
+
+def device_kind() -> tuple[str, str | None]:
+    """(jax's device_kind of this job's devices, its configs/devices/ name or None)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return device.device_kind, "cpu"
+    name = DEVICE_KINDS.get(device.device_kind) or kind_slug(device.device_kind)
+    return device.device_kind, name if name in known_kinds() else None

@@ -4,8 +4,8 @@ file is refused with one ConfigError line naming what is wrong."""
 import pytest
 import yaml
 
+from maxmoe.cluster import PACKAGE_CONFIGS, known_clusters, known_kinds, load_cluster
 from maxmoe.config import ConfigError
-from maxmoe.plan.cluster import PACKAGE_CONFIGS, known_clusters, known_kinds, load_cluster
 
 SHIPPED_KINDS = {"h800", "h100", "h200", "b200", "cpu"}
 SHIPPED_CLUSTERS = {"deepseek_v3_h800", "llama3_405b_h100"}
