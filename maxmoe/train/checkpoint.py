@@ -354,9 +354,25 @@ def restore_params(step_dir: str | Path, abstract_state: Any) -> dict:
                           f"builds ({len(diffs)} arrays differ, e.g. {diffs[0]}); evaluate with "
                           "the config it was trained with (no model.* overrides)")
     restore_args = ocp.checkpoint_utils.construct_restore_args(wanted)
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        return checkpointer.restore(step_dir / STATE, args=ocp.args.PyTreeRestore(
-            item=wanted, restore_args=restore_args, partial_restore=True))
+    try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            return checkpointer.restore(step_dir / STATE, args=ocp.args.PyTreeRestore(
+                item=wanted, restore_args=restore_args, partial_restore=True))
+    except Exception:
+        if not _vanishes(step_dir / STATE):
+            raise
+        # the job's checkpoint.keep deleted the step under the reader: say so, read nothing
+        raise ConfigError(f"checkpoint {step_dir} was deleted while it was read (the training "
+                          "job keeps only its newest steps); run again to read the newest "
+                          "one") from None
+
+
+def _vanishes(path: Path, seconds: float = 5.0) -> bool:
+    """Whether `path` is gone, or goes within `seconds` (a deletion in progress)."""
+    deadline = time.monotonic() + seconds
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not path.exists()
 
 
 def _saved_shapes(step_dir: Path) -> dict[str, tuple]:
