@@ -298,6 +298,7 @@ class LoggingConfig:
     wandb_project: str = ""  # W&B project to log to; empty = off (pip install 'maxmoe[wandb]')
     wandb_mode: str = "offline"  # W&B mode: offline (no network; `wandb sync` later) | online
     per_layer: bool = True  # per-layer arrays (README Metrics) on logged steps; false: scalars only
+    side_work_timeout_s: int = 120  # process 0's work beside the job (plan.json); longer: skipped
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,14 @@ def check_profile_window(cfg: Config, need: Need) -> None:
          "start earlier, trace fewer logging.profile_steps, or raise train.steps")
 
 
+def check_side_work_bound(cfg: Config, need: Need) -> None:
+    """Process 0's side work must end before the other processes' barrier gives up on it."""
+    bound, barrier = cfg.logging.side_work_timeout_s, cfg.distributed.initialization_timeout_s
+    need(0 < bound < barrier, "logging.side_work_timeout_s", f"must be > 0 and below "
+         f"distributed.initialization_timeout_s = {barrier} (the barrier it runs before)",
+         f"use e.g. {barrier // 2}")
+
+
 def check_loss_chunk(cfg: Config, need: Need) -> None:
     chunk = cfg.model.lm_loss_chunk
     need(chunk >= 0 and (chunk == 0 or cfg.data.seq_len % chunk == 0), "model.lm_loss_chunk",
@@ -244,6 +252,7 @@ def validate(cfg: Config, num_devices: int, origins: dict[str, str],
     check_best_checkpoint_needs_evals(cfg, need)
     check_loss_chunk(cfg, need)
     check_profile_window(cfg, need)
+    check_side_work_bound(cfg, need)
     if reads_data:
         check_data_fits_model(cfg, need)
     sizes = resolve_mesh_shape(cfg, num_devices, origins)

@@ -55,6 +55,8 @@ BAD = {
                       "validation: known compute dtype"),
     "wandb_mode": ([*TRAIN, "logging.wandb_project=p", "logging.wandb_mode=sometimes"],
                    "logging.wandb_mode", "metrics.wandb_writer.check_wandb"),
+    "side_work_bound": ([*TRAIN, "logging.side_work_timeout_s=900"],
+                        "logging.side_work_timeout_s", "validation.check_side_work_bound"),
     "cluster_spec": ([*TRAIN, "--cluster", "12xbogus"], "bogus", "plan.live.live_cluster"),
     # data
     "no_such_source": ([*TRAIN, "data.source={w}/no_such_corpus/*.txt"], "data.source",

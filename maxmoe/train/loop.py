@@ -57,7 +57,7 @@ from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
 from maxmoe.train.init_from import InitSource, initial_state, needs_init_from, open_init_source
 from maxmoe.train.profiling import ProfileWindow
-from maxmoe.train.reporting import log, log_window, logging_hooks, metric_sinks
+from maxmoe.train.reporting import log, log_window, logging_hooks, metric_sinks, side_work
 from maxmoe.train.setup import RunSetup, prepare_run
 
 # (setup, compiled first step, compile seconds, run_dir=) -> seconds it took; see `train`
@@ -299,8 +299,10 @@ class _Loop:
         if self.profile is not None:
             self.profile.compiled = compiled  # its HLO names the traced ops
         if self.first_compiled is not None:
-            summary["plan_json_s"] = round(
-                self.first_compiled(self.setup, compiled, time.perf_counter() - t), 3)
+            compile_s = time.perf_counter() - t
+            seconds = side_work("plan.json", self.setup.cfg.logging.side_work_timeout_s,
+                                lambda: self.first_compiled(self.setup, compiled, compile_s))
+            summary["plan_json_s"] = None if seconds is None else round(seconds, 3)
         if jax.process_count() > 1:
             wait_for_processes("maxmoe_first_step_compiled",
                                self.setup.cfg.distributed.initialization_timeout_s)

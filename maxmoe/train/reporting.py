@@ -4,6 +4,8 @@ through the logging hooks the loop runs."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -22,6 +24,28 @@ from maxmoe.train.setup import RunSetup
 def log(msg: str) -> None:
     if jax.process_index() == 0:
         say(msg)
+
+
+def side_work(what: str, timeout_s: float, work: Callable[[], float]) -> float | None:
+    """Runs process-0 work that the job does not need (plan.json) so that it cannot stall or
+    kill the job: in a daemon thread, waited for up to timeout_s (the other processes wait at
+    a barrier meanwhile). Returns what `work` returned; None, after one warning line, when it
+    raised or ran past timeout_s (it then finishes, or not, in the background)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = work()
+        except Exception as e:  # noqa: BLE001 - any failure of side work is only a warning
+            out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    thread = threading.Thread(target=run, name=f"maxmoe {what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if "value" in out:
+        return out["value"]
+    why = out.get("error") or f"took over logging.side_work_timeout_s={timeout_s:g} s"
+    log(f"warning: {what} not written ({why}); training goes on without it")
+    return None
 
 
 def log_window(setup: RunSetup) -> LogWindow:
