@@ -49,6 +49,7 @@ def run(args) -> int:
     cfg, sizes = configure(args.items, reads_data=True)
     # late: JAX, the training loop and the planner; keeps `maxmoe --help` free of them
     import jax
+    import psutil
 
     from maxmoe.plan.live import dry_run, live_cluster, plan_writer
     from maxmoe.train.init_from import needs_init_from, open_init_source
@@ -61,7 +62,9 @@ def run(args) -> int:
     # the planner prices <run.dir>/plan.json; a bad --cluster fails before the run dir is made
     write_plan = plan_writer(live_cluster(args.cluster))
     t = time.perf_counter()
-    summary = train(cfg, sizes, first_compiled=write_plan)
+    # goodput's startup counts from the process's start: imports and the distributed join too
+    summary = train(cfg, sizes, first_compiled=write_plan,
+                    started=psutil.Process().create_time())
     summary["wall_time_s"] = round(time.perf_counter() - t, 1)
     if jax.process_index() == 0:  # one summary per job, like the logs and metrics
         print(json.dumps(summary))

@@ -19,6 +19,7 @@ from maxmoe.config import ConfigError, ModelConfig
 from maxmoe.model.spec import moe_layer_indices
 from maxmoe.report import figures
 from maxmoe.report.runs import Run, Series, load_runs
+from maxmoe.train.goodput import BUCKETS
 
 LOSS = [("loss (train: solid; eval: dashed)", ["loss", "eval_loss"], False)]
 OPTIMIZATION = [("learning rate", ["learning_rate"], False), ("grad norm", ["grad_norm"], True),
@@ -268,12 +269,28 @@ def config_section(runs: list[Run]) -> str:
     return "".join(out)
 
 
+def goodput_section(runs: list[Run]) -> str:
+    """Where each run's wall time went, over its restarts (train/goodput.py): seconds and share
+    per bucket; goodput = productive / wall."""
+    have = [r for r in runs if r.goodput]
+    if not have:
+        return ""
+    names = [*BUCKETS, "idle", "down"]
+    rows = [[esc(r.name), r.goodput["attempts"], f"{100 * r.goodput['goodput']:.1f}%",
+             f"{r.goodput['wall_s']:.0f}",
+             *(f"{r.goodput[f'{k}_s']:.0f} ({100 * r.goodput[f'{k}_s'] / r.goodput['wall_s']:.0f}%)"
+               if r.goodput["wall_s"] > 0 else "n/a" for k in names)] for r in have]
+    return ("<h2>Goodput</h2><p class=muted>Wall time over the run's restarts, seconds (share): "
+            "down is the time between restarts, idle what no bucket timed.</p>"
+            + table(["run", "attempts", "goodput", "wall s", *names], rows))
+
+
 def render(runs: list[Run], notes: list[str]) -> str:
     """The whole page for `runs`, with `notes` (what was skipped) on top."""
     title = "maxmoe report: " + ", ".join(r.name for r in runs)
     loads = "".join(load_section(r) for r in runs)
     body = [f"<h1>{esc(title)}</h1>", notes_section(notes), summary_section(runs),
-            curves_section(runs), events_section(runs),
+            goodput_section(runs), curves_section(runs), events_section(runs),
             "<h2>Expert load</h2><p class=muted>Per MoE layer: experts down, logged steps "
             "across (at most 400, evenly spaced), color = the expert's share of the layer's "
             "assignments over the uniform share. Red triangles: dead experts.</p>" + loads,

@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 
 from maxmoe.config import ConfigError
+from maxmoe.train.goodput import run_goodput
 
 MAX_SAMPLES = 400  # logged steps kept of each array key: the heatmaps' time axis
 MAX_NOTES = 5  # bad lines named one by one per file; the rest are counted
@@ -47,6 +48,7 @@ class Run:
     config_text: str | None
     config: dict | None  # config.yaml parsed (None when absent or not YAML)
     plan: dict | None
+    goodput: dict | None  # train.goodput.run_goodput: buckets over the run's attempts
     notes: list[str]  # what was skipped, one line each
 
 
@@ -249,7 +251,8 @@ def load_run(path: Path, name: str | None = None) -> Run | None:
                dead_since=collector.dead_since,
                events=read_events(path / "events.jsonl", notes), config_text=config_text,
                config=_load_yaml(config_text, path / "config.yaml", notes),
-               plan=_load_plan(path / "plan.json", notes), notes=notes)
+               plan=_load_plan(path / "plan.json", notes), goodput=run_goodput(path),
+               notes=notes)
 
 
 def run_names(paths: list[Path]) -> list[str]:

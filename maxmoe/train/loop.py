@@ -53,6 +53,7 @@ from maxmoe.model.spec import moe_layer_indices
 from maxmoe.sharding import global_batch, use_mesh
 from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer, check_resumable
 from maxmoe.train.evaluate import Evaluator, model_tokenizer
+from maxmoe.train.goodput import Goodput, goodput_summary
 from maxmoe.train.guards import Action, Guard, TrainingStopped
 from maxmoe.train.hooks import Hook, LogWindow, StepEnd
 from maxmoe.train.init_from import InitSource, initial_state, needs_init_from, open_init_source
@@ -148,11 +149,13 @@ def _open_init(cfg: Config) -> InitSource:
 
 
 def train(cfg: Config, mesh_sizes: dict[str, int],
-          first_compiled: FirstCompiled | None = None) -> dict:
+          first_compiled: FirstCompiled | None = None, started: float | None = None) -> dict:
     """Trains to cfg.train.steps (resuming from the run directory, else starting from
     train.init_from's weights where set); returns a summary.
     first_compiled: run by process 0 once the first step compiled (`maxmoe train` writes
-    <run.dir>/plan.json with it); its seconds are the summary's plan_json_s."""
+    <run.dir>/plan.json with it); its seconds are the summary's plan_json_s.
+    started: when the process started (epoch seconds; default now), goodput's startup."""
+    started = time.time() if started is None else started
     # every check before the first write: a refused start leaves run.dir as it was (a bad
     # --cluster spec fails in `maxmoe train`, which builds first_compiled, before this)
     check_wandb(cfg.logging)  # W&B asked for without its package
@@ -184,6 +187,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int],
         return {"start_step": start, "final_step": start, "preempted": False}
     sinks = metric_sinks(cfg, run_dir, start) if jax.process_index() == 0 else []
     loop = _Loop(setup, ckpt, data_iter, preemption, log_window(setup))
+    loop.goodput = Goodput(run_dir if jax.process_index() == 0 else None, started)
     loop.guard.events = EventLog(run_dir / "events.jsonl" if jax.process_index() == 0 else None)
     if jax.process_index() == 0 and first_compiled is not None:
         loop.first_compiled = functools.partial(first_compiled, run_dir=run_dir)
@@ -194,6 +198,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int],
         *logging_hooks(cfg.logging.every_steps, setup.tokens_per_step, sinks),
         Hook(cfg.checkpoint.every_steps if cfg.checkpoint.enabled else 0,
              loop.saver(config_json, layout), at_end=True, reads_state=True),
+        Hook(cfg.logging.every_steps, lambda _: loop.goodput.save(), at_end=True),
     ]
     summary = {"start_step": start, "first_loss": None, "preempted": False, "resume_s": resume_s,
                "save_blocking_s": loop.save_blocking_s, "plan_json_s": None}
@@ -208,6 +213,8 @@ def train(cfg: Config, mesh_sizes: dict[str, int],
         loop.guard.events.close()
         ckpt.close()
         data_iter.close()  # stops the prefetch thread
+        loop.goodput.save()
+    summary.update(goodput_summary(run_dir, loop.goodput))
     rec = loop.window.last  # the newest logged step's figures
     if rec is not None:
         summary.update(last_loss=float(rec["loss"]), tokens_per_second=rec["tokens_per_second"],
@@ -230,6 +237,7 @@ class _Loop:
         self.t0 = 0.0  # when the loop started: the first step's compile time counts from it
         self.first_compiled: Callable | None = None  # train's first_compiled, run_dir bound
         self.profile: ProfileWindow | None = None  # logging.profile_start's trace window
+        self.goodput = Goodput(None, time.time())  # train's, with its run dir, on process 0
 
     def evaluator(self, tokenizer) -> Callable[[StepEnd], None]:
         """The eval hook: the validation loss of the step's state into `event.extra`."""
@@ -239,6 +247,7 @@ class _Loop:
             t = time.perf_counter()
             event.extra[EVAL_LOSS] = evaluate(event.state).loss
             seconds = time.perf_counter() - t
+            self.goodput.add("eval", seconds)
             self.window.excluded_s += seconds  # not training time: kept out of tokens/s
             event.extra["eval_time_s"] = seconds  # its own figure (the first one compiles)
             self.timing.busy_now()
@@ -251,8 +260,10 @@ class _Loop:
         def save(event: StepEnd) -> None:
             t = time.perf_counter()
             # the iterator has handed out exactly `step` batches: the next one is fetched after
-            if self.ckpt.save(event.step, event.state, self.data_iter, force=event.last,
-                              config=config_json, meta=layout, metrics=event.extra or None):
+            saved = self.ckpt.save(event.step, event.state, self.data_iter, force=event.last,
+                                   config=config_json, meta=layout, metrics=event.extra or None)
+            self.goodput.add("checkpoint", time.perf_counter() - t)
+            if saved:
                 self.save_blocking_s.append(round(time.perf_counter() - t, 3))
         return save
 
@@ -275,6 +286,7 @@ class _Loop:
     def finish(self, event: StepEnd, summary: dict) -> None:
         """Counts a settled step into the logging window, then runs the hooks due at it
         (state hooks only when `event.state` is there)."""
+        self.goodput.finished(event.step)
         if self.window.count():  # the first step compiles: time from its end on
             summary["compile_and_first_step_s"] = self.window.started - self.t0
             summary["first_loss"] = float(event.host["loss"])
@@ -296,6 +308,7 @@ class _Loop:
         t = time.perf_counter()
         with use_mesh(self.trainer.mesh, self.trainer.rules):
             compiled = self.trainer.jitted_step.lower(state, batch).compile()
+        self.goodput.add("compile", time.perf_counter() - t)
         if self.profile is not None:
             self.profile.compiled = compiled  # its HLO names the traced ops
         if self.first_compiled is not None:
@@ -324,7 +337,10 @@ class _Loop:
         return state, metrics
 
     def next_batch(self):
-        return global_batch(self.timing.next_batch(self.data_iter), self.trainer.batch_sharding)
+        t = time.perf_counter()
+        batch = global_batch(self.timing.next_batch(self.data_iter), self.trainer.batch_sharding)
+        self.goodput.add("data_wait", time.perf_counter() - t)
+        return batch
 
     def run(self, state, start: int, summary: dict) -> int:
         """Steps from `start` to train.steps (or a SIGTERM); returns the last step done.
@@ -332,10 +348,12 @@ class _Loop:
         One step late: step N is dispatched before step N-1's metrics are read, so the device
         runs step N while the host settles N-1 (guards, logging). A step whose state a hook
         reads, the first and the last are settled before anything else happens."""
-        total, timing = self.setup.cfg.train.steps, self.timing
+        total, timing, goodput = self.setup.cfg.train.steps, self.timing, self.goodput
         self.t0 = time.perf_counter()
+        goodput.add("startup", time.time() - goodput.started)
         step, batch, pending = start, self.next_batch(), None
         self.compile_first(state, batch, summary)
+        goodput.lap(step)  # laps from here on: one loop iteration each
         while step < total:  # a guard rollback moves `step` back
             if batch is None:
                 batch = self.next_batch()
@@ -351,6 +369,7 @@ class _Loop:
                 pending = None
                 if restored is not None:  # step `done`, still running, is dropped
                     state, step = restored
+                    goodput.lap(done, wasted=True)
                     continue
                 self.finish(StepEnd(done - 1, False, host, self.window), summary)
             if last or self.reads_state(done):
@@ -358,15 +377,18 @@ class _Loop:
                 host, restored = self.settle(done, metrics)
                 if restored is not None:
                     state, step = restored
+                    goodput.lap(done, wasted=True)
                     continue
                 self.finish(StepEnd(done, last, host, self.window, state), summary)
                 if stop:
                     summary["preempted"] = done < total
                     log(f"SIGTERM: saved step {done}, exiting")
+                    goodput.lap(done)
                     break
             else:
                 pending = (done, metrics)
             step = done
             if step < total:
                 batch = self.next_batch()  # sharded while step `done` runs
+            goodput.lap(done)
         return done
