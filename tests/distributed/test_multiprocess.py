@@ -126,6 +126,14 @@ class Process:
         return "".join(line for _, line in self.lines if "[Gloo]" not in line)
 
 
+def kill_left(processes: list[Process]) -> None:
+    """Kills the processes still running: a test that failed or timed out leaves none behind."""
+    for p in processes:
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait()
+
+
 @pytest.mark.slow
 def test_kill_9_of_one_process_ends_the_other_within_the_heartbeat_bound(tmp_path):
     env = dict(os.environ, MAXMOE_CACHE=str(tmp_path / "cache"))
@@ -152,10 +160,7 @@ def test_kill_9_of_one_process_ends_the_other_within_the_heartbeat_bound(tmp_pat
         exited = time.monotonic() - killed
         assert victim.proc.wait() == -signal.SIGKILL
     finally:
-        for p in (survivor, victim):
-            if p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait()
+        kill_left([survivor, victim])
     out = survivor.text()
     print(f"process 0 exited with code {code} {exited:.1f} s after kill -9 of process 1 "
           f"(heartbeat timeout {HEARTBEAT_S} s)")
@@ -199,10 +204,7 @@ def test_two_processes_of_4_devices_train_like_one_of_8(tmp_path, monkeypatch):
         summary_one = train(cfg_one, validate(cfg_one, 8, origins))
         codes = [p.proc.wait(timeout=START_S) for p in processes]
     finally:
-        for p in processes:
-            if p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait()
+        kill_left(processes)
     assert codes == [0, 0], processes[0].text()[-3000:] + processes[1].text()[-3000:]
     assert summary_one["final_step"] == STEPS
 

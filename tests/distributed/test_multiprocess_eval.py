@@ -27,7 +27,13 @@ from maxmoe.train.checkpoint import restore_params
 from maxmoe.train.setup import prepare_run
 from maxmoe.validation import validate
 from tests.data.conftest import CHATML_TEMPLATE, english, write_hf_tokenizer
-from tests.distributed.test_multiprocess import HEARTBEAT_S, START_S, Process, free_port
+from tests.distributed.test_multiprocess import (
+    HEARTBEAT_S,
+    START_S,
+    Process,
+    free_port,
+    kill_left,
+)
 from tests.train.test_chaos import TINY
 
 MODEL = [t for t in TINY if not t.startswith(("mesh.", "checkpoint."))] + [
@@ -85,10 +91,7 @@ def test_two_processes_with_uneven_validation_shares_evaluate_every_row(kind, tm
     try:
         codes = [p.proc.wait(timeout=START_S) for p in processes]
     finally:
-        for p in processes:
-            if p.proc.poll() is None:
-                p.proc.kill()
-                p.proc.wait()
+        kill_left(processes)
     out = [p.text() for p in processes]
     assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
     (report,) = [json.loads(line) for line in out[0].splitlines() if line.startswith("{")]
