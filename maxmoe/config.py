@@ -255,6 +255,7 @@ class CheckpointConfig:
     keep: int = 3  # newest checkpoints kept on disk (the latest is never deleted)
     keep_best: int = 0  # also keep this many lowest-eval-loss steps (needs train.eval_every_steps)
     async_save: bool = True
+    checksums: bool = True  # crc32c per saved chunk, checked on restore (train/checksums.py)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ A step directory `<dir>/<step>/` holds the items `state` (a pytree of jax.Arrays
 optimizer state, step, router buffers, loss-scale/guard state, whatever the train state
 holds), and optionally `data` (the Grain iterator position, one JSON file per process),
 `config` (the resolved config, JSON), `meta` (JSON: the data layout the iterator position
-belongs to) and `metrics` (the eval loss that ranks `keep_best`). Orbax writes into
+belongs to), `metrics` (the eval loss that ranks `keep_best`) and `checksums` (crc32c of every
+saved chunk, checked on restore: train/checksums.py). Orbax writes into
 `<step>.orbax-checkpoint-tmp-*` and renames it only after the commit, so a crash mid-save
 leaves the previous step restorable and the debris is removed on the next start.
 
@@ -40,6 +41,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as ocm
 
 from maxmoe.config import CheckpointConfig, ConfigError
+from maxmoe.train import checksums
 from maxmoe.train.checkpoint_handlers import (
     IteratorSnapshot,
     register_array_handler,
@@ -61,6 +63,7 @@ class Resumed:
     data_iterator: Any  # moved to the saved position if data_restored, else fresh
     data_restored: bool  # False: no iterator state, or saved for another data layout
     quarantined: list[Path]  # step directories that failed to restore and were moved aside
+    reasons: list[str] = dataclasses.field(default_factory=list)  # why, one line each
 
 
 def _eval_loss(metrics: dict) -> float:
@@ -171,6 +174,8 @@ class Checkpointer:
             args[CONFIG] = ocp.args.JsonSave(config)
         if meta is not None:
             args[META] = ocp.args.JsonSave(meta)
+        if self.cfg.checksums:  # hashed now: `state` may be donated once save returns
+            args[checksums.ITEM] = checksums.ChecksumsSave(checksums.compute(state))
         if metrics is not None and not self.cfg.keep_best:
             metrics = None  # Orbax writes metrics only when it ranks by them
         return self._manager.save(step, args=ocp.args.Composite(**args), force=force,
@@ -183,7 +188,8 @@ class Checkpointer:
         abstract_state: pytree of jax.ShapeDtypeStruct with the TARGET shardings (see
         `abstract_like`); the checkpoint may come from another mesh shape or process count.
         data_iterator: a Grain iterator built exactly like the saved one; it is moved in
-        place to the saved position.
+        place to the saved position. With cfg.checksums, the step's saved bytes are checked
+        first (checksums.check_step, a collective): a mismatch raises ChecksumError.
         """
         # A save from this same manager may still be in flight; restore committed data only.
         self._manager.wait_until_finished()
@@ -195,11 +201,12 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"no committed checkpoint{what} in {self.directory} (available steps: "
                 f"{steps or 'none'}); start from scratch or point to the right directory")
+        if self.cfg.checksums:
+            checksums.raise_if_corrupt(self.directory / str(step))
         args = {STATE: ocp.args.StandardRestore(abstract_state)}
-        if data_iterator is not None:
-            if not (self.directory / str(step) / DATA).is_dir():
-                raise ValueError(f"checkpoint {self.directory / str(step)} has no data iterator "
-                                 "state; restore without data_iterator")
+        if data_iterator is not None and not (self.directory / str(step) / DATA).is_dir():
+            raise ValueError(f"checkpoint {self.directory / str(step)} has no data iterator "
+                             "state; restore without data_iterator")
         restored = self._manager.restore(step, args=ocp.args.Composite(**args))
         if data_iterator is not None:
             restore_iterator(data_iterator, self.directory / str(step) / DATA)
@@ -210,9 +217,8 @@ class Checkpointer:
         """A JSON item (CONFIG or META) of a committed step; None if the step has none."""
         if not (self.directory / str(step) / item).is_dir():
             return None
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            **{item: ocp.args.JsonRestore()}))
-        return restored[item]
+        return self._manager.restore(step, args=ocp.args.Composite(
+            **{item: ocp.args.JsonRestore()}))[item]
 
     def resume(self, abstract_state: Any, new_iterator: Callable[[], Any] | None = None,
                meta: dict | None = None, config: dict | None = None) -> Resumed | None:
@@ -227,7 +233,7 @@ class Checkpointer:
         layout (`refuse_other_layout`; `config`: this run's resolved config) raises ConfigError.
         """
         self._manager.wait_until_finished()
-        quarantined = []
+        quarantined, reasons = [], []
         for step in reversed(self.all_steps()):
             refuse_other_layout(self.directory / str(step), abstract_state, config)
             iterator = new_iterator() if new_iterator is not None else None
@@ -242,12 +248,14 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any failure to read back = a bad step
                 error = e
             if _all_processes_ok(error is None):
-                return Resumed(state, step, iterator, with_data, quarantined)
-            quarantined.append(self._quarantine(step, error))
+                return Resumed(state, step, iterator, with_data, quarantined, reasons)
+            target, reason = self._quarantine(step, error)
+            quarantined.append(target)
+            reasons.append(reason)
         return None
 
-    def _quarantine(self, step: int, error: BaseException | None) -> Path:
-        """Moves a step that failed to restore out of the manager's sight, keeping its files."""
+    def _quarantine(self, step: int, error: BaseException | None) -> tuple[Path, str]:
+        """Moves a failed step out of the manager's sight, keeping its files: (where, why)."""
         source = self.directory / str(step)
         target = self.directory.with_name(self.directory.name + ".quarantine") / str(step)
         if target.exists():
@@ -261,7 +269,7 @@ class Checkpointer:
             source.rename(target)
         _sync(f"maxmoe_quarantine_{step}")
         self._manager.reload()
-        return target
+        return target, reason
 
     def reached_preemption(self, step: int) -> bool:
         """True on every process once any one got SIGTERM (needs jax.distributed; else False)."""

@@ -115,9 +115,9 @@ def _resume(ckpt: Checkpointer, setup: RunSetup, dataset, layout: dict, config_j
     t = time.perf_counter()
     cfg, trainer = setup.cfg, setup.trainer
     resumed = ckpt.resume(trainer.abstract_state, lambda: iter(dataset), layout, config_json)
-    for bad in resumed.quarantined if resumed else []:
-        log(f"warning: checkpoint step {bad.name} could not be restored (corrupt or "
-            f"incomplete); moved it to {bad}")
+    for bad, why in zip(resumed.quarantined, resumed.reasons, strict=True) if resumed else []:
+        log(f"warning: checkpoint step {bad.name} could not be restored ({why}); moved it "
+            f"to {bad}")
     if resumed is None and cfg.train.init_from:
         init = init or _open_init(cfg)
         return initial_state(trainer, cfg, init, log), 0, iter(dataset), None
