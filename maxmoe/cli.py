@@ -14,6 +14,7 @@ import sys
 from maxmoe import malloc
 from maxmoe.commands import (
     bench,
+    ckpt,
     convert,
     data,
     eval as evaluate,  # `eval` itself would shadow the builtin
@@ -26,7 +27,7 @@ from maxmoe.commands import (
 from maxmoe.config import ConfigError
 
 # the order `maxmoe --help` lists them in
-COMMANDS = (train, evaluate, generate, plan, data, bench, convert, forward, report)
+COMMANDS = (train, evaluate, generate, plan, data, bench, convert, ckpt, forward, report)
 
 
 class _Parser(argparse.ArgumentParser):

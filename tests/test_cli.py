@@ -48,7 +48,8 @@ def test_error_names_the_file(tmp_path, capsys):
 
 HELP_ARGVS = [["--help"], ["train", "--help"], ["bench", "--help"], ["data", "--help"],
               ["data", "prepare", "--help"], ["convert", "to-hf", "--help"], ["forward", "--help"],
-              ["eval", "--help"], ["report", "--help"]]
+              ["eval", "--help"], ["report", "--help"], ["ckpt", "--help"],
+              ["ckpt", "verify", "--help"]]
 
 
 def test_help_imports_no_jax():

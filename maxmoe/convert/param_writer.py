@@ -5,8 +5,10 @@ The directory is the layout Orbax's `PyTreeCheckpointHandler(use_ocdbt=False)` w
 pytree of numpy arrays (what `save_converted` wrote before): one zarr v2 array per leaf in a
 folder named by its dotted path (`layer_groups.1.mlp.gate/.zarray` + `0.0.0.0`-style chunk
 files, zstd level 1, float32), `_METADATA` (the tree), `_CHECKPOINT_METADATA` and
-`commit_success.txt`. Orbax's ordinary restore reads it unchanged (`read_params`); only the
-chunk shapes differ from Orbax's choice, which restore takes from each `.zarray`. OCDBT is not
+`commit_success.txt`, plus `_CHECKSUMS/` (crc32c of every chunk, one JSON file per process:
+train/checksums.py, checked by `maxmoe ckpt verify`). Orbax's ordinary restore reads it
+unchanged (`read_params`); only the chunk shapes differ from Orbax's choice, which restore
+takes from each `.zarray`. OCDBT is not
 used: its per-process B-trees must be merged by one process at the end, and that merge is
 Orbax's private code; plain zarr lets every process write whole chunk files on its own.
 
@@ -36,6 +38,7 @@ import numpy as np
 import tensorstore as ts
 
 from maxmoe.hf.safetensors_io import ConversionError
+from maxmoe.train import checksums
 
 MAX_CHUNK_BYTES = 64 * 2**20  # Orbax's chunk_byte_size that save_converted used
 IN_FLIGHT = 1  # chunks being compressed and written while the next one is produced
@@ -159,12 +162,15 @@ def _one_arena():
 
 
 def _write_share(directory: Path, specs: dict[tuple, dict], mine: list[Chunk],
-                 produce: Produce) -> None:
+                 produce: Produce) -> dict:
     """Writes this process's chunks: produce one, hand it to TensorStore (which keeps the
     array as the chunk's buffer instead of copying it), produce the next while at most
-    IN_FLIGHT writes are being compressed and written."""
+    IN_FLIGHT writes are being compressed and written. Returns their checksums (the
+    `arrays` of train/checksums.py's format: a chunk is hashed as produced, before it is
+    written, and `maxmoe ckpt verify` reads it back)."""
     context = _context()
     arrays: dict[tuple, ts.TensorStore] = {}
+    sums: dict[str, dict] = {}
     pending: collections.deque = collections.deque()
     for chunk in mine:
         if chunk.path not in arrays:
@@ -174,6 +180,10 @@ def _write_share(directory: Path, specs: dict[tuple, dict], mine: list[Chunk],
         if value.shape != want:
             raise ValueError(f"produce({chunk.path}, {chunk.index}) returned shape "
                              f"{value.shape}, not {want}")
+        entry = sums.setdefault(array_name(chunk.path), {
+            "shape": specs[chunk.path]["metadata"]["shape"], "dtype": DTYPE.name, "chunks": []})
+        entry["chunks"].append([[[i.start, i.stop] for i in chunk.index],
+                                checksums.chunk_crc(value)])
         pending.append(arrays[chunk.path][chunk.index].write(
             value, can_reference_source_data_indefinitely=True))
         del value
@@ -181,6 +191,7 @@ def _write_share(directory: Path, specs: dict[tuple, dict], mine: list[Chunk],
             pending.popleft().result()
     for future in pending:
         future.result()
+    return sums
 
 
 def save_streamed(directory: Path, shapes: dict[tuple, tuple[int, ...]], produce: Produce, *,
@@ -222,7 +233,10 @@ def _save(directory: Path, shapes: dict, produce: Produce, max_chunk_bytes: int,
         raise ConversionError(f"{tmp}: process 0 created it but process {process_index} does "
                               "not see it; write to a file system every process mounts")
     mine = assign(chunks, process_count)[process_index]
-    _write_share(tmp, specs, mine, produce)
+    sums = _write_share(tmp, specs, mine, produce)
+    # each process its own file, inside the folder the commit renames (published with it)
+    checksums.write(tmp / checksums.CONVERTED_DIR, {"algorithm": checksums.ALGORITHM,
+                                                    "arrays": sums}, process_index, process_count)
     barrier("maxmoe-convert-written")
     if process_index == 0:
         _commit(tmp, directory, list(shapes))

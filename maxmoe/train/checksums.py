@@ -240,6 +240,54 @@ class ChecksumsRestore(ocp.args.CheckpointArgs):
     pass
 
 
+@dataclasses.dataclass
+class Report:
+    """What `verify_item` found in one saved item (a step's state, or converted params)."""
+    item: Path
+    arrays: int = 0
+    chunks: int = 0
+    nbytes: int = 0  # bytes read back and hashed
+    bad: list[Mismatch] | None = None  # None: saved before checksums existed (not checked)
+
+
+def verify_item(item_dir: Path, checksums_dir: Path) -> Report:
+    """Reads back and hashes every chunk recorded in `checksums_dir` (one process: all of
+    them); a missing or unreadable checksum file or array is reported as a Mismatch."""
+    report = Report(item_dir)
+    try:
+        recorded = read(checksums_dir)
+        if recorded is None:
+            return report
+        report.bad, report.nbytes = verify(item_dir, recorded)
+    except Exception as e:  # noqa: BLE001 - an unreadable step is a failed check, not a crash
+        report.bad = [Mismatch(checksums_dir.name, (), f"does not read back "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")]
+        return report
+    report.arrays = len(recorded)
+    report.chunks = sum(len(e["chunks"]) for e in recorded.values())
+    return report
+
+
+def items_under(path: Path) -> list[tuple[Path, Path]]:
+    """(item, checksums folder) of every committed checkpoint at `path`: a run directory (each
+    committed step of its checkpoints/), a checkpoints directory, one step folder, or a
+    converted checkpoint (`convert from-hf`'s OUT_DIR or its params/); [] when none."""
+    path = Path(path).expanduser().resolve()
+    if (path / "state" / "_METADATA").is_file():  # a step folder
+        return [(path / "state", path / ITEM)]
+    if (path / "params" / "_METADATA").is_file():  # a converted OUT_DIR
+        path = path / "params"
+    if (path / "_METADATA").is_file():  # a converted params/ folder
+        return [(path, path / CONVERTED_DIR)]
+    steps = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not steps.is_dir():
+        return []
+    # a committed step is renamed to its bare number; `<step>.orbax-checkpoint-tmp-*` is not
+    return [(steps / d.name / "state", steps / d.name / ITEM)
+            for d in sorted(steps.iterdir(), key=lambda d: int(d.name) if d.name.isdigit() else 0)
+            if d.name.isdigit() and (d / "state").is_dir()]
+
+
 def raise_if_corrupt(step_dir: Path) -> None:
     """`check_step`, raising ChecksumError with its line on every process when a chunk fails."""
     line = check_step(step_dir)
