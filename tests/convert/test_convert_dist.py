@@ -31,6 +31,7 @@ from maxmoe.convert.param_writer import (
 from maxmoe.hf.names import get_path
 from maxmoe.hf.safetensors_io import ConversionError, SafetensorsReader
 from maxmoe.model.transformer import abstract_params
+from maxmoe.train import checksums
 from tests.convert.test_convert import DEEPSEEK, make_hub_checkpoint_with_mtp_fp8_and_shards
 from tests.distributed.test_multiprocess import free_port
 from tools.convert_rss import convert_rss, fixed_rss, largest_tensor
@@ -120,6 +121,15 @@ def test_streamed_save_is_orbax_layout_and_restores_exactly(tmp_path):
     for directory in ("ours", "orbax"):  # the ordinary restore, unchanged
         assert_trees_equal(read_params(tmp_path / directory, cfg), params)
     assert not (tmp_path / "ours" / "params.tmp").exists()
+    # every chunk written has its crc32c, and `maxmoe ckpt verify`'s check finds a flipped byte
+    report = checksums.verify_item(ours, ours / checksums.CONVERTED_DIR)
+    assert report.bad == [] and report.chunks == len(calls) and report.arrays == len(shapes)
+    stored = ours / array_name(("lm_head",)) / "0.0"
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    stored.write_bytes(bytes(data))
+    bad = checksums.verify_item(ours, ours / checksums.CONVERTED_DIR).bad
+    assert [(m.array, m.region[1][0]) for m in bad] == [("lm_head", 0)], bad
 
 
 def test_fp8_mtp_sharded_hub_converts_in_small_chunks_like_read_hf(tmp_path):
@@ -181,6 +191,11 @@ def test_two_processes_each_write_part_and_restore_like_one(tmp_path):
     (a, total), (b, total_b) = written
     assert a > 0 and b > 0 and a + b == total == total_b, written
     assert_trees_equal(read_params(tmp_path / "two", cfg), read_params(tmp_path / "one", cfg))
+    sums = tmp_path / "two" / "params" / checksums.CONVERTED_DIR
+    assert sorted(p.name for p in sums.glob("*.json")) == ["process_0-of-2.json",
+                                                         "process_1-of-2.json"]
+    report = checksums.verify_item(tmp_path / "two" / "params", sums)
+    assert report.bad == [] and report.chunks == total
     assert (tmp_path / "two" / "config.yaml").read_text() == (
         tmp_path / "one" / "config.yaml").read_text()
 
