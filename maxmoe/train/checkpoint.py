@@ -227,10 +227,11 @@ class Checkpointer:
         new_iterator: builds a fresh data iterator; its position is restored only when the
         step's saved `meta` equals `meta` (Grain's state is tied to the process and worker
         counts and the pipeline), else `data_restored` is False and the caller decides (the
-        train loop skips `step` batches). A step that fails to restore is named in a warning
-        and moved to `<dir>.quarantine/`, and the next older step is tried. All processes
-        agree on each outcome, so they resume from the same step. A step saved for another
-        layout (`refuse_other_layout`; `config`: this run's resolved config) raises ConfigError.
+        train loop skips `step` batches). A step that fails to restore or to match its checksums
+        goes to `<dir>.quarantine/` (why: `reasons`, one line each for the caller to print), and
+        the next older step is tried. All processes agree on each outcome, so they resume from
+        the same step. A step saved for another layout (`refuse_other_layout`; `config`: this
+        run's resolved config) raises ConfigError.
         """
         self._manager.wait_until_finished()
         quarantined, reasons = [], []
@@ -262,8 +263,7 @@ class Checkpointer:
             target = target.with_name(f"{step}-{int(time.time())}")
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}" if error else \
             "another process failed to read it"
-        log.warning("checkpoint %s is corrupt or incomplete (%s); moved it to %s and trying "
-                    "the previous step", source, reason, target)
+        log.info("checkpoint %s is corrupt (%s); moved it to %s", source, reason, target)
         if jax.process_index() == 0:
             target.parent.mkdir(parents=True, exist_ok=True)
             source.rename(target)

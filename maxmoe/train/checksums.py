@@ -156,7 +156,11 @@ def verify(item_dir: Path, recorded: dict, process_index: int = 0, process_count
     """(mismatches, bytes read) of this process's share of the recorded chunks: every
     `process_count`-th chunk in a fixed order, read from the saved item `item_dir` and hashed.
     A chunk that does not read back is a mismatch too (its `what` says why)."""
-    metadata = json.loads((item_dir / "_METADATA").read_text())
+    try:
+        metadata = json.loads((item_dir / "_METADATA").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{item_dir / '_METADATA'} does not read back ({type(e).__name__})"
+                         ) from None
     chunks = sorted((name, tuple(map(tuple, region)), crc)
                     for name, entry in recorded.items() for region, crc in entry["chunks"])
     bad, nbytes, stores = [], 0, {}
@@ -185,16 +189,17 @@ def check_step(step_dir: Path, skip: bool = False) -> str | None:
     it checks nothing but still takes part). Never raises."""
     import jax  # late: see compute
 
-    line = None
+    line, what = None, "its checksums"
     if not skip:
         try:
             recorded = read(step_dir / ITEM)
+            what = "its state"
             if recorded is not None:
                 bad, _ = verify(step_dir / "state", recorded, jax.process_index(),
                                 jax.process_count())
                 line = bad[0].line() if bad else None
-        except Exception as e:  # noqa: BLE001 - unreadable checksums: the step is not trusted
-            line = f"checksums do not read back ({type(e).__name__}: {str(e)[:200]})"
+        except Exception as e:  # noqa: BLE001 - an unreadable step is not trusted
+            line = f"{what} does not read back ({type(e).__name__}: {str(e)[:200]})"
     if jax.process_count() == 1:
         return line
     from jax.experimental import multihost_utils

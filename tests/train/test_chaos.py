@@ -55,9 +55,10 @@ def cli_env(tmp_path: Path) -> dict:
 class Run:
     """One `maxmoe train` subprocess whose stderr lines are collected as they arrive."""
 
-    def __init__(self, run_dir: Path, env: dict, steps: int = STEPS, every: int = EVERY):
+    def __init__(self, run_dir: Path, env: dict, steps: int = STEPS, every: int = EVERY,
+                 extra: tuple[str, ...] = ()):
         cmd = [sys.executable, "-m", "maxmoe.cli", "train", *TINY, f"train.steps={steps}",
-               f"checkpoint.every_steps={every}", f"run.dir={run_dir}"]
+               f"checkpoint.every_steps={every}", f"run.dir={run_dir}", *extra]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         self.lines: list[str] = []

@@ -149,6 +149,7 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_corrupt_latest_is_moved_aside_and_the_previous_step_resumes(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="maxmoe.train.checkpoint")
     state, abstract = make_state(mesh((2, 4))), None
     abstract = abstract_like(state)
     with Checkpointer(tmp_path / "ckpt", CheckpointConfig(every_steps=1)) as ckpt:
@@ -164,11 +165,13 @@ def test_corrupt_latest_is_moved_aside_and_the_previous_step_resumes(tmp_path, c
         assert resumed.step == 1 and resumed.data_restored
         assert_same(resumed.state, state)
         assert [p.name for p in resumed.quarantined] == ["3", "2"]
+        assert len(resumed.reasons) == 2 and "_METADATA" in resumed.reasons[1]
         assert ckpt.all_steps() == [1]
         # another data layout: the state restores, the iterator is left fresh
         other = ckpt.resume(abstract, make_iterator, meta={"layout": 2})
         assert other.step == 1 and not other.data_restored
-    assert "checkpoint %s is corrupt" in caplog.records[0].msg and "/ckpt/3" in caplog.text
+    record = next(r for r in caplog.records if "is corrupt" in r.msg)
+    assert record.levelno == logging.INFO and "/ckpt/3" in caplog.text
     quarantine = tmp_path / "ckpt.quarantine"
     assert sorted(p.name for p in quarantine.iterdir()) == ["2", "3"]  # kept, not deleted
 

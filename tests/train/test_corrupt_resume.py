@@ -1,12 +1,15 @@
-"""A data file of the newest checkpoint truncated, then the same `maxmoe train` command again:
-the run resumes from the previous step, says so in one warning, and prints nothing that looks
-like a crash (no traceback from the failed restore's reads)."""
+"""A data file of the newest checkpoint truncated, or one byte flipped inside an array's saved
+data, then the same `maxmoe train` command again: the run resumes from the previous step, says
+so in one warning (naming the array, for the flip), and prints nothing that looks like a crash
+(no traceback from the failed restore's reads). Without checksums the flip resumes silently."""
 
 import os
+import shutil
 
 import pytest
 
 from tests.train.test_chaos import Run, cli_env
+from tests.train.test_checksums import EMBEDDING, flip_byte
 
 STEPS, EVERY = 4, 2
 
@@ -31,3 +34,34 @@ def test_truncated_newest_step_resumes_from_the_previous_one_without_a_traceback
     for crash in ("Traceback", "Exception ignored", "Event loop is closed",
                   "never retrieved"):
         assert crash not in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_flipped_byte_resumes_silently_without_checksums_and_is_named_with_them(tmp_path):
+    env = cli_env(tmp_path)
+    run_dir = tmp_path / "run"
+    code, summary = Run(run_dir, env, steps=STEPS, every=EVERY).finish(timeout=300)
+    assert code == 0 and summary["final_step"] == STEPS
+    flip_byte(run_dir / "checkpoints" / str(STEPS), EMBEDDING)
+    shutil.copytree(run_dir, tmp_path / "off")
+
+    # checkpoint.checksums=false: the flipped step is resumed, and nothing is said
+    off = Run(tmp_path / "off", env, steps=STEPS + EVERY, every=EVERY,
+              extra=("checkpoint.checksums=false",))
+    code, summary = off.finish(timeout=300)
+    err = "".join(off.lines)
+    assert code == 0 and summary["start_step"] == STEPS, err[-3000:]
+    assert "warning" not in err and not (tmp_path / "off" / "checkpoints.quarantine").exists()
+
+    # with checksums (the default): quarantined, the previous step resumed, one line naming it
+    on = Run(run_dir, env, steps=STEPS + EVERY, every=EVERY)
+    code, summary = on.finish(timeout=300)
+    err = "".join(on.lines)
+    assert code == 0 and summary["start_step"] == STEPS - EVERY, err[-3000:]
+    assert (run_dir / "checkpoints.quarantine" / str(STEPS)).is_dir()
+    lines = [x for x in on.lines if EMBEDDING in x]
+    assert len(lines) == 1, lines
+    [line] = lines
+    assert line.startswith(f"warning: checkpoint step {STEPS} could not be restored "
+                           f"(ChecksumError: array {EMBEDDING} chunk [0:512, 0:64]: crc32c "), line
+    assert "Traceback" not in err, err[-3000:]
