@@ -55,7 +55,12 @@ def run_both(phase: str, directory: Path) -> list[str]:
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, str(port), str(i), phase,
                                str(directory)], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:  # a hang (processes that disagree wait in a collective) leaves no stray process
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     return [out for out, _ in outs]
 
