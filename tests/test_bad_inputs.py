@@ -83,6 +83,8 @@ BAD = {
                            "train.evaluate.find_checkpoint: committed step"),
     "eval_no_dir": (["eval", "{w}/no_run"], "no such directory",
                     "train.evaluate.find_checkpoint: directory"),
+    "verify_no_checkpoint": (["ckpt", "verify", "{w}/empty"], "no checkpoint here",
+                             "train.checksums.items_under: a checkpoint"),
     "eval_extra_path": (["eval", "{w}/run", "{w}/run"], "KEY=VALUE overrides only",
                         "commands.eval.run: arguments"),
     "eval_empty_split": (["eval", "{w}/run", "--data", "{w}/empty/*.txt"], "data.source",
