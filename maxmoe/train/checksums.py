@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
+from jax.experimental import multihost_utils
 
 ALGORITHM = "crc32c"  # hardware CRC-32C (SSE4.2 / ARMv8): GB/s, so it costs little in a save
 ITEM = "checksums"  # the item's folder in a step directory, beside `state`
@@ -92,8 +94,6 @@ def compute(state: Any) -> dict:
     """This process's checksums of `state` (a pytree of jax.Arrays): every chunk of each
     replica-0 shard it holds. Synchronous (reads the shards to host): call it before the
     arrays are donated."""
-    import jax  # late: `maxmoe ckpt verify` reads checksums without starting JAX
-
     arrays, views = {}, []
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         chunks = []
@@ -197,8 +197,6 @@ def check_step(step_dir: Path, skip: bool = False) -> str | None:
     (the same line on every process), or None when all match or the step has no checksums.
     A collective: every process calls it, also one whose restore already failed (skip=True:
     it checks nothing but still takes part). Never raises."""
-    import jax  # late: see compute
-
     line, what = None, "its checksums"
     if not skip:
         try:
@@ -212,8 +210,6 @@ def check_step(step_dir: Path, skip: bool = False) -> str | None:
             line = f"{what} does not read back ({type(e).__name__}: {str(e)[:200]})"
     if jax.process_count() == 1:
         return line
-    from jax.experimental import multihost_utils
-
     mine = np.zeros(LINE_BYTES, np.uint8)
     encoded = (line or "").encode()[:LINE_BYTES]
     mine[:len(encoded)] = np.frombuffer(encoded, np.uint8)
@@ -226,8 +222,6 @@ class ChecksumsHandler(ocp.CheckpointHandler):
     """Orbax handler of the `checksums` item: each process writes its own file (`write`)."""
 
     def save(self, directory, args: ChecksumsSave) -> None:
-        import jax
-
         write(Path(directory), args.checksums, jax.process_index(), jax.process_count())
 
     def restore(self, directory, args: ChecksumsRestore | None = None) -> dict | None:

@@ -15,7 +15,8 @@ import tensorstore as ts
 from jax.sharding import SingleDeviceSharding
 
 from maxmoe.cli import main
-from maxmoe.config import CheckpointConfig, load_config
+from maxmoe.config import CheckpointConfig
+from maxmoe.config_files import load_config
 from maxmoe.sharding import make_mesh
 from maxmoe.train import checksums
 from maxmoe.train.checkpoint import Checkpointer, abstract_like
