@@ -191,23 +191,21 @@ def verify(item_dir: Path, recorded: dict, process_index: int = 0, process_count
     return bad, nbytes
 
 
-def check_step(step_dir: Path, skip: bool = False) -> str | None:
+def check_step(step_dir: Path) -> str | None:
     """Verifies a step's `state` against its `checksums` item, the chunks spread over the
     processes; returns one line naming the first bad array and chunk that any process found
     (the same line on every process), or None when all match or the step has no checksums.
-    A collective: every process calls it, also one whose restore already failed (skip=True:
-    it checks nothing but still takes part). Never raises."""
+    A collective (every process must call it); never raises, so none can leave it early."""
     line, what = None, "its checksums"
-    if not skip:
-        try:
-            recorded = read(step_dir / ITEM)
-            what = "its state"
-            if recorded is not None:
-                bad, _ = verify(step_dir / "state", recorded, jax.process_index(),
-                                jax.process_count())
-                line = bad[0].line() if bad else None
-        except Exception as e:  # noqa: BLE001 - an unreadable step is not trusted
-            line = f"{what} does not read back ({type(e).__name__}: {str(e)[:200]})"
+    try:
+        recorded = read(step_dir / ITEM)
+        what = "its state"
+        if recorded is not None:
+            bad, _ = verify(step_dir / "state", recorded, jax.process_index(),
+                            jax.process_count())
+            line = bad[0].line() if bad else None
+    except Exception as e:  # noqa: BLE001 - an unreadable step is not trusted
+        line = f"{what} does not read back ({type(e).__name__}: {str(e)[:200]})"
     if jax.process_count() == 1:
         return line
     mine = np.zeros(LINE_BYTES, np.uint8)
