@@ -19,8 +19,7 @@ checkpoint (`maxmoe convert from-hf`'s OUT_DIR). Read-only: safe while a job is 
   maxmoe ckpt verify runs/tiny
   maxmoe ckpt verify runs/tiny/checkpoints/150
 
-Exit 0: every checked step is intact (steps saved before checksums existed are named, not
-failed); 1: the bad arrays and chunks are listed; 2: PATH holds no checkpoint."""
+Exit 0: every checked step is intact (steps saved without checksums are named, not failed); 1: the bad arrays and chunks are listed; 2: PATH holds no checkpoint."""
 
 
 def add_parser(subparsers) -> None:
@@ -47,7 +46,8 @@ def run(args) -> int:
         report = verify_item(item, sums)
         name = item.parent if item.name == "state" else item
         if report.bad is None:
-            print(f"{name}: saved without checksums (before maxmoe wrote them): not checked")
+            print(f"{name}: saved without checksums (before maxmoe wrote them, or with "
+                  "checkpoint.checksums=false): not checked")
         elif report.bad:
             failed += 1
             print(f"{name}: BAD, {len(report.bad)} of {report.chunks} chunks")

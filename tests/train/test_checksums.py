@@ -157,7 +157,7 @@ def test_ckpt_verify_exit_codes_and_lines(tmp_path, tiny_state, capsys):
     assert main(["ckpt", "verify", str(run)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{run / 'checkpoints' / '1'}: saved without checksums (before maxmoe " \
-                     "wrote them): not checked"
+                     "wrote them, or with checkpoint.checksums=false): not checked"
     assert out[1].startswith(f"{run / 'checkpoints' / '2'}: ok, 86 arrays, 86 chunks, ")
     assert len(out) == 3 and out[2].startswith(f"{run / 'checkpoints' / '4'}: ok")
 
