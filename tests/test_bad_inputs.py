@@ -73,7 +73,7 @@ BAD = {
                      "data.sft: records parse"),
     # checkpoints
     "refused_layout": ([*TRAIN, "model.vocab_size=1024"], "saved for another model layout",
-                       "train.checkpoint.check_resumable"),
+                       "train.saved_steps.check_resumable"),
     "init_from_missing": ([*TRAIN, "run.dir={w}/other", "train.init_from={w}/no_run"],
                           "train.init_from", "train.init_from.open_init_source: exists"),
     "init_from_layout": ([*TRAIN, "run.dir={w}/other", "train.init_from={w}/run",

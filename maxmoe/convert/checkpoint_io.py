@@ -27,8 +27,8 @@ from maxmoe.hf.names import get_path, leaf_paths
 from maxmoe.hf.safetensors_io import ConversionError
 from maxmoe.model.transformer import abstract_params
 from maxmoe.sharding import make_mesh
-from maxmoe.train.checkpoint import restore_params
 from maxmoe.train.evaluate import find_checkpoint
+from maxmoe.train.saved_steps import restore_params
 from maxmoe.train.step import make_trainer
 
 
@@ -97,7 +97,7 @@ def load_converted(ckpt_dir: Path, overrides: list[str] = ()) -> tuple[Config, d
 
 def _params_from_run(run_dir: Path, cfg: Config) -> dict:
     """The model variables of the newest committed step of a training run (params + router
-    bias), read as train.checkpoint.restore_params reads them: no optimizer state, and nothing
+    bias), read as train.saved_steps.restore_params reads them: no optimizer state, and nothing
     in the run directory created or deleted (a job may still be saving into it)."""
     if not (run_dir / "checkpoints").is_dir():
         raise ConversionError(f"{run_dir}: neither params/ nor checkpoints/ found; pass a "

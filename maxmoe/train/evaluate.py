@@ -32,7 +32,7 @@ from maxmoe.data.pipeline import batch_spec, make_dataset
 from maxmoe.data.tokenizer import RUN_TOKENIZER_DIR, load_tokenizer
 from maxmoe.model.transformer import LossShare, loss_token_counts
 from maxmoe.sharding import global_batch, use_mesh
-from maxmoe.train.checkpoint import restore_params
+from maxmoe.train.saved_steps import restore_params
 from maxmoe.train.setup import RunSetup
 
 

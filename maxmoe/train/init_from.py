@@ -34,7 +34,7 @@ from maxmoe.hf.safetensors_io import ConversionError
 from maxmoe.hf.slices import LeafReader
 from maxmoe.parallel.dispatch import resolve_transport
 from maxmoe.sharding import use_mesh
-from maxmoe.train import checkpoint
+from maxmoe.train import saved_steps
 from maxmoe.train.evaluate import find_checkpoint, run_config_file
 from maxmoe.train.step import Trainer, state_layout
 
@@ -103,7 +103,7 @@ def check_architecture(cfg: Config, source: InitSource) -> list[str]:
 def needs_init_from(cfg: Config) -> bool:
     """Whether the run will read train.init_from: it is set and run.dir has no committed
     checkpoint steps of its own (those win: the run resumes from them)."""
-    return bool(cfg.train.init_from) and not checkpoint.committed_steps(
+    return bool(cfg.train.init_from) and not saved_steps.committed_steps(
         Path(cfg.run.dir) / "checkpoints")
 
 
@@ -153,7 +153,7 @@ def load_weights(trainer: Trainer, cfg: Config, source: InitSource) -> dict:
         saved = state_layout(other, trainer.mesh).abstract
         layout = {k: saved[k] for k in target}
     if source.kind == "run":
-        weights = checkpoint.restore_params(source.step_dir, layout)
+        weights = saved_steps.restore_params(source.step_dir, layout)
     else:
         weights = _restore_converted(source.path / "params", layout)
     if layout is not target:
@@ -186,8 +186,8 @@ def _restore_converted(params_dir: Path, layout: dict) -> dict:
     merged: dict = {}
     for item in layout.values():
         _merge_into(merged, item)
-    saved = checkpoint._shapes(ocp.PyTreeCheckpointHandler().metadata(params_dir).tree)
-    want = checkpoint._shapes(merged)
+    saved = saved_steps.tree_shapes(ocp.PyTreeCheckpointHandler().metadata(params_dir).tree)
+    want = saved_steps.tree_shapes(merged)
     diffs = [f"{k}: saved {saved.get(k, 'absent')}, config builds {v}"
              for k, v in sorted(want.items()) if saved.get(k) != v]
     if diffs:

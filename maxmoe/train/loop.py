@@ -51,7 +51,7 @@ from maxmoe.metrics.events import EventLog
 from maxmoe.metrics.wandb_writer import check_wandb
 from maxmoe.model.spec import moe_layer_indices
 from maxmoe.sharding import global_batch, use_mesh
-from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer, check_resumable
+from maxmoe.train.checkpoint import EVAL_LOSS, Checkpointer
 from maxmoe.train.evaluate import Evaluator, model_tokenizer
 from maxmoe.train.goodput import Goodput, goodput_summary
 from maxmoe.train.guards import Action, Guard, TrainingStopped
@@ -59,6 +59,7 @@ from maxmoe.train.hooks import Hook, LogWindow, StepEnd
 from maxmoe.train.init_from import InitSource, initial_state, needs_init_from, open_init_source
 from maxmoe.train.profiling import ProfileWindow
 from maxmoe.train.reporting import log, log_window, logging_hooks, metric_sinks, side_work
+from maxmoe.train.saved_steps import check_resumable
 from maxmoe.train.setup import RunSetup, prepare_run
 
 # (setup, compiled first step, compile seconds, run_dir=) -> seconds it took; see `train`

@@ -23,7 +23,7 @@ import pytest
 from maxmoe.config_files import load_config
 from maxmoe.data.pipeline import batch_spec, make_dataset
 from maxmoe.train import evaluate as ev
-from maxmoe.train.checkpoint import restore_params
+from maxmoe.train.saved_steps import restore_params
 from maxmoe.train.setup import prepare_run
 from maxmoe.validation import validate
 from tests.data.conftest import CHATML_TEMPLATE, english, write_hf_tokenizer

@@ -1,5 +1,5 @@
 """Readers of a run are read-only: `maxmoe eval` and `maxmoe forward` (every reader of a run's
-params goes through train.checkpoint.restore_params) work while the job saves, and never
+params goes through train.saved_steps.restore_params) work while the job saves, and never
 clean or lock anything.
 
 - During an async save held in flight (its commit gated here), the reader gives the figures of
