@@ -5,11 +5,11 @@ buffers, collective and kernel counts and the collective bytes the planner count
 (maxmoe/plan/collectives.py: GB one device sends per step, by kind, all axes together).
 
 JAX_PLATFORMS=cpu python tools/gpu_aot_compare.py {cpu|gpu} [--hosts N] [--kind h100|h200]
-    [KEY=VALUE ...]
+    [CONFIG.yaml ...] [KEY=VALUE ...]
 Needs jax[cuda12] (same version as jax) and, for the GPU kernels, tokamax (`pip install -e
-".[cuda]"`, Python >= 3.12) for `gpu`. Shape: configs/tiny.yaml +
-configs/models/tiny_deepseek_v3.yaml (2 data x 2 fsdp x 2 expert unless overridden) and the
-config's own kernels (`--compiler gpu`'s rule: auto picks tokamax on NVIDIA GPUs for
+".[cuda]"`, Python >= 3.12) for `gpu`. Shape: the config files given, else configs/tiny.yaml +
+configs/models/tiny_deepseek_v3.yaml (2 data x 2 fsdp x 2 expert unless overridden), with
+the config's own kernels (`--compiler gpu`'s rule: auto picks tokamax on NVIDIA GPUs for
 bfloat16); `cpu` compiles the planner's stand-ins. Prints one JSON line.
 """
 
@@ -33,9 +33,11 @@ def main():
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--kind", default="h100")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     t = time.perf_counter()
-    setup, compiled, _ = compile_step([*SHAPE, *args.overrides], 8, args.hosts, args.target,
+    files = [a for a in args.overrides if "=" not in a] or SHAPE
+    overrides = [a for a in args.overrides if "=" in a]
+    setup, compiled, _ = compile_step([*files, *overrides], 8, args.hosts, args.target,
                                       args.kind)
     cfg, sizes, hlo = setup.cfg, setup.mesh_sizes, compiled.as_text()
     comm = collective_bytes(hlo, setup.trainer.mesh, devices_per_host=8 // args.hosts)
