@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import importlib.util
 import logging
 from collections.abc import Iterator, Sequence
@@ -79,9 +78,12 @@ def require(what: str, dtype, fp8: str = "none") -> None:
 @functools.cache
 def _tokamax():
     try:
-        return importlib.import_module("tokamax")
+        # late: tokamax comes only with the cuda extra (Python >= 3.12) and pulls in xprof and
+        # more; a CPU run never imports it
+        import tokamax
     except ImportError as e:
         raise ConfigError(f"tokamax does not import ({e}): {INSTALL}") from None
+    return tokamax
 
 
 def _first_line(e: Exception) -> str:
