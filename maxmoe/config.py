@@ -65,7 +65,7 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     kind: str = "gqa"  # gqa (Mixtral, Qwen3) | mla (DeepSeek multi-head latent attention)
     causal_block_size: int = 128  # einsum: queries per block, blocks above the diagonal skipped; 0 = one
-    implementation: str = "einsum"  # einsum (XLA, query blocks) | fused (jax.nn.dot_product_attention: cuDNN flash on GPU)
+    implementation: str = "auto"  # auto (tokamax on NVIDIA GPUs, else einsum) | einsum (XLA, query blocks) | fused (jax.nn.dot_product_attention: cuDNN) | tokamax (Mosaic GPU flash)
     qk_norm: bool = False  # gqa: RMSNorm over head_dim of every q and k head before RoPE (Qwen3)
     q_lora_rank: int = 0  # mla: rank of the low-rank query path; 0 = one full-rank q projection
     kv_lora_rank: int = 512  # mla: width of the compressed key/value latent
@@ -97,7 +97,7 @@ class MoEConfig:
     # assignments compete only among themselves, so drops do not depend on the mesh layout
     capacity_factor: float = 1.25
     drop_policy: str = "position"  # capacity: drop overflow by position | probability (lowest)
-    grouped_matmul: str = "auto"  # dropless: ragged_dot | blocked | auto (blocked on CPU)
+    grouped_matmul: str = "auto"  # dropless: tokamax (Mosaic GPU) | ragged_dot | blocked | auto (blocked on CPU, tokamax on NVIDIA GPUs)
     block_size: int = 0  # dropless blocked: rows per block (experts padded to whole blocks); 0 = auto
     transport: str = "auto"  # dropless over an expert axis: all_gather | all_to_all | two_level | auto (parallel/dispatch.py)
     transport_buffer_factor: float = 1.5  # all_to_all: c, slots per (source, dest) pair = ceil(c T K / ep)

@@ -75,8 +75,8 @@ def check_attention(a: AttentionConfig, need: Need) -> None:
     need(a.num_heads % a.num_kv_heads == 0, "attention.num_kv_heads",
          f"must divide attention.num_heads ({a.num_heads})", "pick a divisor of the head count")
     need(a.kind in ("gqa", "mla"), "attention.kind", "unknown attention", "use gqa or mla")
-    need(a.implementation in ("einsum", "fused"), "attention.implementation",
-         "unknown implementation", "use einsum or fused")
+    need(a.implementation in ("auto", "einsum", "fused", "tokamax"), "attention.implementation",
+         "unknown implementation", "use auto, einsum, fused or tokamax")
     if a.kind == "mla":
         for key in ("attention.kv_lora_rank", "attention.qk_nope_head_dim",
                     "attention.qk_rope_head_dim", "attention.v_head_dim"):
@@ -105,8 +105,8 @@ def check_moe(e: MoEConfig, need: Need) -> None:
     need(e.dispatch in ("dropless", "capacity"), "moe.dispatch", "unknown dispatch",
          "use dropless or capacity")
     need(e.capacity_factor > 0, "moe.capacity_factor", "must be > 0", "use e.g. 1.25")
-    need(e.grouped_matmul in ("auto", "ragged_dot", "blocked"), "moe.grouped_matmul",
-         "unknown grouped matmul", "use auto, ragged_dot or blocked")
+    need(e.grouped_matmul in ("auto", "tokamax", "ragged_dot", "blocked"),
+         "moe.grouped_matmul", "unknown grouped matmul", "use auto, tokamax, ragged_dot or blocked")
     need(e.block_size >= 0, "moe.block_size", "must be >= 0", "use 0 (auto) or e.g. 128")
     need(e.transport in ("auto", "all_gather", "all_to_all", "two_level"), "moe.transport",
          "unknown transport", "use auto, all_gather, all_to_all or two_level")

@@ -81,14 +81,19 @@ def current_mesh() -> Mesh | None:
     return _MESH.get()
 
 
-def mesh_platform() -> str:
-    """The platform ("cpu", "gpu", "tpu") of the current mesh's devices, else of
-    jax.devices()[0]: kernels' `auto` choices follow the devices the step is compiled for,
-    which differ from the process's in a deviceless GPU compile (maxmoe/plan/gpu_aot.py)."""
+def mesh_device():
+    """The first device of the current mesh, else jax.devices()[0]: kernels' `auto` choices
+    follow the devices the step is compiled for, which differ from the process's in a
+    deviceless GPU compile (maxmoe/plan/gpu_aot.py)."""
     mesh = _MESH.get()
     if mesh is not None and mesh.devices.size:
-        return mesh.devices.flat[0].platform
-    return jax.devices()[0].platform
+        return mesh.devices.flat[0]
+    return jax.devices()[0]
+
+
+def mesh_platform() -> str:
+    """The platform ("cpu", "gpu", "tpu") of mesh_device()."""
+    return mesh_device().platform
 
 
 def dim_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],

@@ -22,6 +22,7 @@ from flax import nnx
 from maxmoe.config import Config
 from maxmoe.generate.mesh import decode_mesh_sizes, decode_rules, place
 from maxmoe.generate.sampling import Sampling, choose
+from maxmoe.kernels.grouped_matmul import resolve_kernel
 from maxmoe.model.kv_cache import init_cache
 from maxmoe.model.transformer import DTYPES, build_model
 from maxmoe.sharding import use_mesh
@@ -51,11 +52,14 @@ def left_pad(prompts: list, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
 def decode_config(cfg: Config, dtype: str, experts_split: bool = False) -> Config:
     """cfg computing in `dtype`, its MoE dropless (decoding drops no token). With the experts
     split over devices, a decode step's few tokens go through the grouped matmuls
-    (decode_moe.py gathers experts only on an unsplit axis): ragged_dot there, as the blocked
+    (decode_moe.py gathers experts only on an unsplit axis): the configured kernel as resolved
+    on this host's devices (tokamax on NVIDIA GPUs), but ragged_dot for blocked, as the blocked
     kernel's 4-block groups fail to trace with fewer than 4 blocks."""
     moe = dataclasses.replace(cfg.moe, dispatch="dropless")
     if experts_split:
-        moe = dataclasses.replace(moe, grouped_matmul="ragged_dot")
+        kernel = resolve_kernel(moe.grouped_matmul, dtype)
+        moe = dataclasses.replace(moe, grouped_matmul="ragged_dot" if kernel == "blocked"
+                                  else kernel)
     return dataclasses.replace(
         cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype), moe=moe)
 

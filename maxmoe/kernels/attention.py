@@ -1,7 +1,9 @@
 """Causal, document-masked softmax attention kernels, shared by GQA (model/attention.py) and
 MLA (model/mla.py): `attention_core`, einsum attention in causal query blocks with its own
-backward, and `fused_attention`, jax.nn.dot_product_attention (cuDNN flash attention on GPU).
-Arrays in, arrays out: no parameters, no sharding annotations."""
+backward, `fused_attention`, jax.nn.dot_product_attention (cuDNN flash attention on GPU), and
+tokamax's Mosaic GPU flash attention (kernels/tokamax_ops.attention); `resolve_implementation`
+picks for `auto`. Arrays in, arrays out: no parameters, no sharding annotations (but tokamax's
+shard_map)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from maxmoe.kernels import tokamax_ops
 from maxmoe.sharding import mesh_platform
 
 
@@ -166,3 +169,15 @@ def fused_attention(q, k, v, segment_ids, scale: float | None = None):
     out = jax.nn.dot_product_attention(q, k, v, mask=same_doc, is_causal=True, scale=scale,
                                        implementation=impl)
     return out[..., :dv]
+
+
+def resolve_implementation(implementation: str, dtype) -> str:
+    """attention.implementation with auto resolved for q/k/v of `dtype` on the current mesh's
+    devices (sharding.mesh_device): tokamax on NVIDIA GPUs where its Mosaic flash attention
+    takes the dtype (bfloat16/float16; every head dim, MLA's 192/128 too), else einsum (query
+    blocks: no S x S scores; the CPU's choice)."""
+    if implementation != "auto":
+        return implementation
+    if tokamax_ops.nvidia_gpu() and jnp.dtype(dtype) in tokamax_ops.DTYPES:
+        return "tokamax"
+    return "einsum"

@@ -1,9 +1,10 @@
 """Grouped expert MLP on one device: the (token, k) assignments routed to a run of experts,
 sorted by expert and run as one grouped matmul (SwiGLU), weighted and summed per token.
 
-Two implementations of the grouped matmul, chosen by `moe.grouped_matmul`: `lax.ragged_dot`
-(GPUs have a grouped GEMM) or `blocked`, `block_expert_mlp`, a loop over per-expert row blocks
-with its own backward (XLA:CPU lowers ragged_dot densely); `auto` picks by platform. Tokens do
+Three implementations of the grouped matmul, chosen by `moe.grouped_matmul`: `tokamax`
+(tokamax's Mosaic GPU grouped GEMM on NVIDIA GPUs, kernels/tokamax_ops.py), `lax.ragged_dot`
+(which XLA:GPU and XLA:CPU expand densely) or `blocked`, `block_expert_mlp`, a loop over
+per-expert row blocks with its own backward; `auto` picks by platform (resolve_kernel). Tokens do
 not move here: parallel/experts.py moves them between expert shards and calls this (the one
 collective is a scalar pmax of each tensorwise FP8 amax over kernels/fp8.AmaxAxes).
 """
@@ -15,6 +16,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from maxmoe.kernels import tokamax_ops
 from maxmoe.kernels.blocked_mlp import block_expert_mlp
 from maxmoe.kernels.fp8 import (
     NO_AXES,
@@ -32,16 +34,19 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     x [..., D] (T rows once flattened); expert_idx, weights [T, K] (global expert ids);
     w_gate, w_up [El, D, F]; w_down [El, F, D]. Returns [T, D] float32: the weighted sum over
     this shard's experts.
-    grouped_matmul: "ragged_dot" (lax.ragged_dot over rows sorted by expert), "blocked"
-    (rows sorted by expert, each expert padded to whole blocks of block_size rows, then
-    `block_expert_mlp`, a loop over the blocks in use: the fast form on XLA:CPU) or "auto"
-    (blocked on CPU, ragged_dot elsewhere; the current mesh's devices decide, see
-    sharding.mesh_platform).
+    grouped_matmul: "tokamax" (tokamax_ops.ragged_dot, the Mosaic GPU grouped GEMM, over rows
+    sorted by expert; ConfigError off NVIDIA GPUs, under fp8, or for float32), "ragged_dot"
+    (lax.ragged_dot over the same rows), "blocked" (rows sorted by expert, each expert padded
+    to whole blocks of block_size rows, then `block_expert_mlp`, a loop over the blocks in
+    use: the fast form on XLA:CPU) or "auto" (resolve_kernel).
     fp8: precision.fp8; tensorwise / blockwise run the expert GEMMs on E4M3 operands
     (kernels/fp8.py; ragged_dot: `fp8_ragged_dot`, blocked: inside `block_expert_mlp`).
     amax: the mesh axes a tensorwise amax spans (kernels/fp8.AmaxAxes; the caller's shard_map).
     """
-    grouped_matmul = resolve_kernel(grouped_matmul)
+    grouped_matmul = resolve_kernel(grouped_matmul, x.dtype, fp8)
+    if grouped_matmul == "tokamax":
+        tokamax_ops.require("moe.grouped_matmul=tokamax", x.dtype, fp8)
+    tokamax_ops.log_kernel("moe grouped matmul", grouped_matmul)
     k, num_local = expert_idx.shape[1], w_gate.shape[0]
     scope = jax.named_scope  # the profile's MoE parts (blocked: no separate combine)
     if grouped_matmul == "blocked":
@@ -58,6 +63,8 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         xs = x[token]  # rows past sum(sizes) belong to other shards: ragged_dot gives zeros
     with scope("grouped_matmul"):
         def mm(a, w):
+            if grouped_matmul == "tokamax":
+                return tokamax_ops.ragged_dot(a, w, sizes)
             if fp8 == "none":
                 return jax.lax.ragged_dot(a, w, sizes)
             return fp8_ragged_dot(a, w, sizes, fp8, amax)
@@ -69,13 +76,19 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
 
 
-def resolve_kernel(grouped_matmul: str) -> str:
-    """moe.grouped_matmul with auto resolved: blocked on CPU (XLA:CPU lowers ragged_dot
-    densely), ragged_dot elsewhere (GPUs have a grouped GEMM); the current mesh's devices
-    decide (sharding.mesh_platform)."""
-    if grouped_matmul == "auto":
-        return "blocked" if mesh_platform() == "cpu" else "ragged_dot"
-    return grouped_matmul
+def resolve_kernel(grouped_matmul: str, dtype=jnp.bfloat16, fp8: str = "none") -> str:
+    """moe.grouped_matmul with auto resolved for operands of `dtype` under precision.fp8 on the
+    current mesh's devices (sharding.mesh_device): blocked on CPU (XLA:CPU lowers ragged_dot
+    densely); on NVIDIA GPUs tokamax where its Mosaic grouped GEMM takes the step
+    (bfloat16/float16, fp8 none), else blocked (XLA:GPU expands ragged_dot densely too);
+    ragged_dot on other devices."""
+    if grouped_matmul != "auto":
+        return grouped_matmul
+    if mesh_platform() == "cpu":
+        return "blocked"
+    if tokamax_ops.nvidia_gpu():
+        return "tokamax" if jnp.dtype(dtype) in tokamax_ops.DTYPES and fp8 == "none" else "blocked"
+    return "ragged_dot"
 
 
 def _by_expert(expert_idx, first_expert, num_local: int):

@@ -10,7 +10,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
-from maxmoe.kernels.attention import attention_core, fused_attention
+from maxmoe.kernels import tokamax_ops
+from maxmoe.kernels.attention import attention_core, fused_attention, resolve_implementation
 from maxmoe.kernels.fp8 import project
 from maxmoe.model import kv_cache
 from maxmoe.model.layers import RMSNorm, param
@@ -47,8 +48,12 @@ class Attention(nnx.Module):
         # named for the save_named / offload_named remat policies (transformer.py)
         q, k, v = (checkpoint_name(t, "qkv_proj") for t in (q, k, v))
         b, s, _, hd = q.shape
-        if cfg.implementation == "fused":
-            out = shard(fused_attention(q, k, v, segment_ids), heads)
+        implementation = resolve_implementation(cfg.implementation, q.dtype)
+        tokamax_ops.log_kernel("attention", implementation)
+        if implementation in ("fused", "tokamax"):
+            out = (fused_attention(q, k, v, segment_ids) if implementation == "fused" else
+                   tokamax_ops.attention(q, k, v, segment_ids, hd ** -0.5))
+            out = shard(out, heads)
             with jax.named_scope("projection"):
                 out = project(out, c(self.o), self.fp8, "bshk,hkd->bsd")
         else:

@@ -15,7 +15,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import AttentionConfig
-from maxmoe.kernels.attention import attention_core, fused_attention
+from maxmoe.kernels import tokamax_ops
+from maxmoe.kernels.attention import attention_core, fused_attention, resolve_implementation
 from maxmoe.kernels.fp8 import project
 from maxmoe.model import kv_cache
 from maxmoe.model.layers import RMSNorm, param
@@ -82,8 +83,11 @@ class LatentAttention(nnx.Module):
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
         k_pe = jnp.broadcast_to(k_pe[:, :, None], (*k_nope.shape[:3], k_pe.shape[-1]))
         k = shard(jnp.concatenate([k_nope, k_pe], axis=-1), heads)
-        if cfg.implementation == "fused":
-            out = shard(fused_attention(q, k, v, segment_ids, softmax_scale(cfg)), heads)
+        implementation = resolve_implementation(cfg.implementation, q.dtype)
+        tokamax_ops.log_kernel("attention", implementation)
+        if implementation in ("fused", "tokamax"):
+            run = fused_attention if implementation == "fused" else tokamax_ops.attention
+            out = shard(run(q, k, v, segment_ids, softmax_scale(cfg)), heads)
             layout = "bshk,hkd->bsd"
         else:
             q = q * softmax_scale(cfg)

@@ -210,7 +210,8 @@ class AllToAll(Dispatcher):
         n, num_local = shards.group, w_gate.shape[0]
         route = Route(axes=shards.gathered, group=n, k=k, num_local=num_local,
                       cap=max(1, math.ceil(cfg.transport_buffer_factor * t * k / n)),
-                      ragged=self.ragged, grouped_matmul=resolve_kernel(cfg.grouped_matmul),
+                      ragged=self.ragged,
+                      grouped_matmul=resolve_kernel(cfg.grouped_matmul, x.dtype, self.fp8),
                       block_size=cfg.block_size, fp8=self.fp8, amax=self.amax)
         with jax.named_scope("dispatch"):
             shard = expert_idx.reshape(-1) // num_local

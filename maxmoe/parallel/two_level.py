@@ -60,13 +60,14 @@ class TwoLevel(Dispatcher):
         self.hosts = hosts
         self.ragged = mesh_platform() != "cpu" if ragged is None else ragged
 
-    def routes(self, t: int, k: int, num_local: int) -> tuple[Route, Route]:
-        """(across, inside): hop 1's route (H members of equal l, [H, T] slots, the host's
-        L El experts its 'local' ids) and hop 2's (the L devices of one host)."""
+    def routes(self, t: int, k: int, num_local: int, dtype) -> tuple[Route, Route]:
+        """(across, inside) for rows of `dtype`: hop 1's route (H members of equal l, [H, T]
+        slots, the host's L El experts its 'local' ids) and hop 2's (the L devices of one
+        host)."""
         cfg, n, hosts = self.cfg, self.shards.group, self.hosts
         per_host = n // hosts
         common = dict(axes=self.shards.gathered, k=k, ragged=self.ragged,
-                      grouped_matmul=resolve_kernel(cfg.grouped_matmul),
+                      grouped_matmul=resolve_kernel(cfg.grouped_matmul, dtype, self.fp8),
                       block_size=cfg.block_size, fp8=self.fp8, amax=self.amax)
         across = Route(group=hosts, num_local=per_host * num_local, cap=t,
                        groups=tuple(tuple(h * per_host + j for h in range(hosts))
@@ -80,7 +81,7 @@ class TwoLevel(Dispatcher):
     def __call__(self, x, expert_idx, weights, w_gate, w_up, w_down) -> Dispatched:
         x = x.reshape(-1, x.shape[-1])
         t, k = expert_idx.shape
-        across, inside = self.routes(t, k, w_gate.shape[0])
+        across, inside = self.routes(t, k, w_gate.shape[0], x.dtype)
         with jax.named_scope("dispatch"):
             src, counts, rows, ids, w = _pack_hosts(across, self.shards, x, expert_idx,
                                                     weights)

@@ -11,6 +11,8 @@ findings and the limits (no autotuning, no cuDNN workspace sizes, kernels' `auto
 """
 
 import importlib.util
+import math
+import re
 
 import jax
 from jax.experimental import topologies
@@ -103,3 +105,38 @@ def gpu_memory_analysis(lowered: jax.stages.Lowered) -> dict[str, int]:
     """Compiles a function lowered on gpu_devices' mesh with XLA:GPU and returns its bytes
     per device (maxmoe.bench.memory_analysis's keys: arguments, outputs, temps, peak)."""
     return memory_analysis(lowered.compile())
+
+
+_ARRAY = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (\w+)\[([\d,]*)\]")
+
+
+def dense_expansions(hlo_text: str, local_experts: int, expert_elements: int) -> list[str]:
+    """The arrays of the MoE grouped matmul (op_name scope "grouped_matmul") in compiled HLO
+    that are shaped like a dense expansion, every routed row through every local expert (what
+    XLA's RaggedDotRewriter builds from lax.ragged_dot): rank >= 3, `local_experts` as one of
+    the first two dims, and more elements per expert than one expert's weight
+    (`expert_elements`, D x F). Weights and their gradients ([El, D, F] at most) are not."""
+    found = set()
+    for line in hlo_text.splitlines():
+        m = _ARRAY.match(line)
+        if not m or "grouped_matmul" not in line:
+            continue
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        if (len(dims) >= 3 and local_experts in dims[:2]
+                and math.prod(dims) // local_experts > expert_elements):
+            found.add(f"{m.group(1)}{dims}")
+    return sorted(found)
+
+
+def score_matrices(hlo_text: str, seq_len: int) -> list[str]:
+    """Floating-point arrays in compiled HLO whose last two dims are seq_len x seq_len:
+    attention scores materialised (a flash kernel keeps them on chip)."""
+    found = set()
+    for line in hlo_text.splitlines():
+        m = _ARRAY.match(line)
+        if not m or m.group(1) not in ("f32", "bf16", "f16"):
+            continue
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        if len(dims) >= 2 and dims[-2:] == [seq_len, seq_len]:
+            found.add(f"{m.group(1)}{dims}")
+    return sorted(found)

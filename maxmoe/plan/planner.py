@@ -170,12 +170,13 @@ def compiler_text(best: dict) -> str:
     """Which compiler produced the figures, with which kernels (the stand-ins on XLA:CPU)."""
     if best.get("compiler") == "gpu":
         note = f" ({best['gpu_target_note']})" if best.get("gpu_target_note") else ""
-        calls = best.get("cudnn_attention_calls", 0)
-        attn = (f"{calls} cuDNN flash-attention calls" if calls else
-                best.get("attention_note") or "no cuDNN attention")
+        calls = "; ".join(f"{part}: " + ", ".join(f"{n} {kind}" for kind, n in sorted(c.items()))
+                          for part, c in sorted((best.get("kernel_calls") or {}).items()))
         return (f"compiled by XLA:GPU for deviceless {best['gpu_target'].upper()}s{note}, with "
-                "the GPU's kernels: " + ", ".join(f"{k}={v}" for k, v in best["kernels"].items())
-                + f" ({attn}); no autotuning, cuDNN workspaces not counted (docs/gpu_aot.md)")
+                "the config's kernels: "
+                + ", ".join(f"{k}={v}" for k, v in best["kernels"].items())
+                + f" (compiled to {calls or 'no kernel calls found'}); no autotuning, cuDNN "
+                "workspaces not counted (docs/gpu_aot.md)")
     return ("compiled by XLA:CPU on fake devices, with the GPU's kernels where XLA:CPU has them, "
             "else: " + "; ".join(f"{k}={v} ({why})" for k, (v, why) in GPU_STAND_INS.items()))
 

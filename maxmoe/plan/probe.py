@@ -11,8 +11,9 @@ bytes per step (collectives.py).
 compiler "cpu" (the default) compiles with XLA:CPU on fake CPU devices: where a CPU compile
 differs from the GPU's, the probe compiles the GPU's choice where XLA:CPU can, and otherwise the
 closest form XLA:CPU compiles (GPU_STAND_INS says which and why). compiler "gpu" compiles with
-XLA:GPU on deviceless GPUs of the cluster's kind (gpu_aot.py; needs jax's CUDA plugin) and the
-GPU's own kernels (GPU_KERNELS).
+XLA:GPU on deviceless GPUs of the cluster's kind (gpu_aot.py; needs jax's CUDA plugin) the
+config's own kernels, `auto` resolved for those GPUs as a run there resolves it (tokamax's
+Mosaic GPU kernels on NVIDIA GPUs), lowered inside kernel_device so that tokamax sees them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 from maxmoe.bench import memory_analysis
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
-from maxmoe.kernels.attention import cudnn_takes
+from maxmoe.kernels.tokamax_ops import kernel_device
 from maxmoe.metrics.flops import fp8_params_per_token
 from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
@@ -42,20 +43,16 @@ from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
 from maxmoe.validation import validate
 
-# key -> (value compiled on CPU, why). The GPU runs ragged_dot (a grouped GEMM) and cuDNN flash
-# attention; XLA:CPU lowers ragged_dot densely (a [rows, experts, F] product that no GPU builds)
-# and `fused` attention to a full [B, H, S, S] score matrix, so the probe compiles the blocked
-# grouped matmul (rows x F live, as the grouped GEMM) and causal query-block attention instead.
+# key -> (value compiled on CPU, why). NVIDIA GPUs run tokamax's Mosaic grouped GEMM and flash
+# attention (`auto`); XLA:CPU has neither, lowers ragged_dot densely (a [rows, experts, F]
+# product) and `fused` attention to a full [B, H, S, S] score matrix, so the probe compiles the
+# blocked grouped matmul (rows x F live, as the grouped GEMM) and causal query-block attention.
 GPU_STAND_INS = {
     "moe.grouped_matmul": ("blocked", "XLA:CPU lowers ragged_dot densely; blocked keeps the "
                                       "grouped GEMM's rows x F buffers"),
     "attention.implementation": ("einsum", "XLA:CPU has no flash attention; causal query "
                                            "blocks keep [B, H, block, S] scores, not S x S"),
 }
-# key -> value compiled by `--compiler gpu`: the kernels a GPU run uses (grouped GEMM, cuDNN
-# flash attention; `fused` picks cuDNN because the mesh's devices are GPUs). Attention stays as
-# configured where cuDNN cannot take it (gpu_attention_kept), as it would in a GPU run.
-GPU_KERNELS = {"moe.grouped_matmul": "ragged_dot", "attention.implementation": "fused"}
 COMPILERS = ("cpu", "gpu")
 TOP_BUFFERS = 8
 _SHAPE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\w+)\[([\d,]*)\]")
@@ -148,20 +145,35 @@ def abstract_batch(cfg, sharding) -> dict:
 
 
 def stand_in_overrides(compiler: str = "cpu") -> list[str]:
-    """The KEY=VALUE overrides applied after the user's own: GPU_STAND_INS for XLA:CPU,
-    GPU_KERNELS for XLA:GPU."""
+    """The KEY=VALUE overrides applied after the user's own: GPU_STAND_INS for XLA:CPU, none
+    for XLA:GPU (the config's own kernels)."""
     if compiler == "gpu":
-        return [f"{key}={value}" for key, value in GPU_KERNELS.items()]
+        return []
     return [f"{key}={value}" for key, (value, _) in GPU_STAND_INS.items()]
 
 
-def gpu_attention_kept(cfg) -> str:
-    """Why `--compiler gpu` keeps the config's attention instead of GPU_KERNELS' cuDNN one
-    ("" when cuDNN takes the config's compute dtype and head dim)."""
-    a = cfg.attention
-    head_dim = (max(a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim) if a.kind == "mla"
-                else a.head_dim)
-    return cudnn_takes(cfg.precision.compute_dtype, head_dim)
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def kernel_calls(hlo_text: str) -> dict[str, dict[str, int]]:
+    """What the MoE's grouped matmuls and attention compiled to: for each part ("moe grouped
+    matmul", "attention"), the compiled program's custom-call targets (tokamax's Mosaic GPU
+    kernels: mosaic_gpu*; cuDNN: __cudnn$fmha*) and XLA dots ("dot") by count, read from the
+    op_names (forward and backward together)."""
+    out: dict[str, dict[str, int]] = {}
+    for line in hlo_text.splitlines():
+        op = _OP_NAME.search(line)
+        if not op:
+            continue
+        name = op.group(1)
+        part = ("moe grouped matmul" if "grouped_matmul" in name
+                else "attention" if "attention" in name and "projection" not in name else "")
+        call = _CUSTOM_CALL.search(line)
+        kind = call.group(1) if call else "dot" if re.search(r"= \S+ dot\(", line) else ""
+        if part and kind:
+            counts = out.setdefault(part, {})
+            counts[kind] = counts.get(kind, 0) + 1
+    return out
 
 
 def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
@@ -170,21 +182,31 @@ def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
     CPU device count it sets (compiler "cpu"), or on `devices` deviceless GPUs of the cluster's
     device `kind` (compiler "gpu"). Raises ConfigError before compiling when the layout is
     invalid or the GPU target or plugin is missing."""
+    t = time.perf_counter()
+    setup, compiled, kernels = compile_step(items, devices, hosts, compiler, kind)
+    result = compiled_figures(setup, compiled, devices_per_host)
+    result.update(kernels, compile_s=round(time.perf_counter() - t, 1))
+    return result
+
+
+def compile_step(items: list[str], devices: int, hosts: int, compiler: str = "cpu",
+                 kind: str = "") -> tuple[RunSetup, jax.stages.Compiled, dict]:
+    """The train step of config items (files and KEY=VALUE) compiled for `devices` devices on
+    `hosts` hosts: (its RunSetup, the compiled step, the compiler and kernels to report).
+    compiler "cpu" sets this process's fake CPU device count (once per process) and compiles
+    GPU_STAND_INS; "gpu" compiles the config's own kernels for deviceless GPUs of the cluster
+    device `kind` (gpu_aot.cluster_target), lowered inside kernel_device (tokamax's kernels
+    are picked by the default device). ConfigError before compiling for an invalid layout or
+    a missing GPU target or plugin."""
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
     cfg, origins = load_config(files, [*overrides, *stand_in_overrides(compiler)])
-    kept = gpu_attention_kept(cfg) if compiler == "gpu" else ""
-    if kept:  # cuDNN cannot take this attention: the config's own implementation, as a run
-        gemm = [o for o in stand_in_overrides(compiler) if not o.startswith("attention.")]
-        cfg, origins = load_config(files, [*overrides, *gemm])
     if compiler == "gpu":
         target, note = gpu_aot.cluster_target(kind)
         mesh_devices = gpu_aot.gpu_devices(devices, target, hosts)
         kernels = {"compiler": "gpu", "gpu_target": target, "gpu_target_note": note,
                    "kernels": {"moe.grouped_matmul": cfg.moe.grouped_matmul,
-                               "attention.implementation": cfg.attention.implementation},
-                   "attention_note": kept and f"{kept}: the config's attention."
-                                             f"implementation={cfg.attention.implementation}"}
+                               "attention.implementation": cfg.attention.implementation}}
     else:
         jax.config.update("jax_num_cpu_devices", devices)
         mesh_devices = None
@@ -192,12 +214,10 @@ def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
     sizes = validate(cfg, devices, origins, hosts)
     setup = prepare_run(cfg, sizes, mesh_devices)
     batch = abstract_batch(cfg, setup.trainer.batch_sharding)
-    t = time.perf_counter()
-    with use_mesh(setup.trainer.mesh, setup.trainer.rules):
-        compiled = setup.trainer.jitted_step.lower(setup.trainer.abstract_state, batch).compile()
-    result = compiled_figures(setup, compiled, devices_per_host)
-    result.update(kernels, compile_s=round(time.perf_counter() - t, 1))
-    return result
+    with use_mesh(setup.trainer.mesh, setup.trainer.rules), \
+            kernel_device(setup.trainer.mesh.devices.flat):
+        lowered = setup.trainer.jitted_step.lower(setup.trainer.abstract_state, batch)
+    return setup, lowered.compile(), kernels
 
 
 def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
@@ -224,6 +244,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
         "replicated": replicated[:20],
         "largest_buffers": largest_buffers(hlo),
         "cudnn_attention_calls": hlo.count("custom_call_target=\"__cudnn$fmha"),
+        "kernel_calls": kernel_calls(hlo),
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
         # the FP8 class's share (metrics.flops.MFU_CONVENTION; 0 with precision.fp8 none)

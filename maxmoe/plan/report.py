@@ -66,7 +66,7 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
         "gpu_target_note": measured.get("gpu_target_note"),
         "kernels": measured.get("kernels", {}),
         "cudnn_attention_calls": measured.get("cudnn_attention_calls", 0),
-        "attention_note": measured.get("attention_note", ""),
+        "kernel_calls": measured.get("kernel_calls", {}),
     }
 
 

@@ -10,6 +10,7 @@ from maxmoe.plan.gpu_aot import cluster_target, gpu_devices, gpu_memory_analysis
 from maxmoe.plan.probe import run_probe
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
+pytestmark = pytest.mark.gpu_aot
 
 
 def test_sharded_matmul_has_gpu_buffer_assignment():
@@ -60,14 +61,18 @@ def test_hosts_and_errors():
 
 @pytest.mark.slow
 def test_plan_gpu_compiler_end_to_end_matches_cpu_state():
-    """`maxmoe plan --compiler gpu`'s probe on tiny, 8 x H200: XLA:GPU's figures, with the
-    same train state per device as the XLA:CPU compile (the sharding is the same)."""
-    gpu = run_probe(["configs/tiny.yaml"], 8, 1, 8, compiler="gpu", kind="h200")
-    cpu = run_probe(["configs/tiny.yaml"], 8, 1, 8, compiler="cpu")
+    """`maxmoe plan --compiler gpu`'s probe on tiny (bfloat16), 8 x H200: XLA:GPU's figures,
+    with the same train state per device as the XLA:CPU compile (the sharding is the same),
+    and the GPU's own kernels (auto: tokamax's Mosaic kernels) where the CPU has stand-ins."""
+    pytest.importorskip("tokamax", reason="tokamax not installed")
+    items = ["configs/tiny.yaml", "precision.compute_dtype=bfloat16"]
+    gpu = run_probe(items, 8, 1, 8, compiler="gpu", kind="h200")
+    cpu = run_probe(items, 8, 1, 8, compiler="cpu")
     assert (gpu["compiler"], gpu["gpu_target"], cpu["compiler"]) == ("gpu", "h200", "cpu")
     assert gpu["memory"]["argument_bytes"] == cpu["memory"]["argument_bytes"]
     assert gpu["state"] == cpu["state"]
     assert gpu["memory"]["peak_bytes"] >= gpu["memory"]["argument_bytes"]
-    parts = " ".join(b["part"] for b in gpu["largest_buffers"])
-    assert "ragged_dot" in parts and "ragged_dot" not in " ".join(
-        b["part"] for b in cpu["largest_buffers"])  # GPU kernels vs the CPU stand-ins
+    assert gpu["kernels"] == {"moe.grouped_matmul": "auto", "attention.implementation": "auto"}
+    for part in ("moe grouped matmul", "attention"):  # GPU kernels vs the CPU stand-ins
+        assert "mosaic_gpu_v2" in gpu["kernel_calls"][part]
+        assert "mosaic_gpu_v2" not in cpu["kernel_calls"].get(part, {})

@@ -1,0 +1,86 @@
+"""The train step compiled by XLA:GPU for 8 deviceless H100s (plan/gpu_aot.py), with the kernels
+`auto` picks there: the MoE's grouped GEMMs and attention must be tokamax's Mosaic GPU custom
+calls, with no dense-expansion buffer and no S x S float scores. The `gpu_aot` group (marker);
+skipped without jax's CUDA plugin or tokamax (`pip install -e ".[cuda,test]"`, Python >= 3.12).
+Each compile takes about a minute on 2 cores.
+
+Layouts: tiny (GQA, head dim 32) on 2 fsdp x 2 expert x 2 tensor; tiny DeepSeek-V3 with
+DeepSeek-V3's MLA head dims (q/k 192, v 128) on 2 data x 2 expert x 2 tensor, the expert axis
+across 2 hosts (so the all-to-all runs as ragged_all_to_all). The checks are shown to fail on
+lax.ragged_dot and on XLA attention at head dim 192.
+"""
+
+import pytest
+
+pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
+pytest.importorskip("tokamax", reason="tokamax not installed")
+
+from maxmoe.plan.gpu_aot import dense_expansions, score_matrices  # noqa: E402
+from maxmoe.plan.probe import compile_step, kernel_calls  # noqa: E402
+
+pytestmark = pytest.mark.gpu_aot
+
+BF16 = "precision.compute_dtype=bfloat16"  # the GPU default; the Mosaic kernels take no f32
+SEQ = "data.seq_len=384"  # no other dim of these models is 384: S x S arrays are scores
+TINY = (["configs/tiny.yaml", "configs/mesh/cpu8_fsdp_expert_tensor.yaml", BF16, SEQ], 1)
+V3_192 = (["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml", BF16,
+           "attention.qk_nope_head_dim=128", "attention.qk_rope_head_dim=64",
+           "attention.v_head_dim=128", SEQ, "data.global_batch_size=8",
+           "mesh.data=2", "mesh.fsdp=1", "mesh.expert=2", "mesh.tensor=2", "mesh.dcn_expert=2"],
+          2)
+SHORTER = "model.num_layers=2"  # the failure cases: one MoE layer is enough
+
+
+def compiled_hlo(case, *overrides):
+    """(optimised HLO text, config, mesh sizes) of the case's train step on 8 H100s."""
+    items, hosts = case
+    setup, compiled, _ = compile_step([*items, *overrides], 8, hosts, "gpu", "h100")
+    return compiled.as_text(), setup.cfg, setup.mesh_sizes
+
+
+def problems(hlo: str, cfg, sizes) -> list[str]:
+    """What keeps the compiled step off the GPU kernels (empty: none)."""
+    calls, out = kernel_calls(hlo), []
+    for part in ("moe grouped matmul", "attention"):
+        kinds = calls.get(part, {})
+        if not any(k.startswith("mosaic_gpu") for k in kinds):
+            out.append(f"{part}: no Mosaic GPU custom call ({kinds})")
+        if kinds.get("dot"):
+            out.append(f"{part}: {kinds['dot']} XLA dots")
+    dense = dense_expansions(hlo, cfg.moe.num_experts // sizes["expert"],
+                             cfg.model.hidden_size * cfg.moe.expert_mlp_size)
+    if dense:
+        out.append(f"dense-expansion buffers {dense}")
+    scores = score_matrices(hlo, cfg.data.seq_len)
+    if scores:
+        out.append(f"S x S float scores {scores}")
+    return out
+
+
+def test_tiny_runs_mosaic_grouped_gemms_and_flash_attention():
+    hlo, cfg, sizes = compiled_hlo(TINY)
+    assert sizes["fsdp"] == sizes["expert"] == sizes["tensor"] == 2
+    assert problems(hlo, cfg, sizes) == []
+
+
+def test_tiny_deepseek_v3_head_dim_192_across_two_hosts():
+    hlo, cfg, sizes = compiled_hlo(V3_192)
+    assert cfg.attention.qk_nope_head_dim + cfg.attention.qk_rope_head_dim == 192
+    assert sizes["data"] == sizes["expert"] == sizes["tensor"] == 2
+    assert problems(hlo, cfg, sizes) == []
+    assert "ragged-all-to-all" in hlo  # the expert axis spans the 2 hosts
+
+
+def test_checks_fail_on_lax_ragged_dot():
+    hlo, cfg, sizes = compiled_hlo(TINY, SHORTER, "moe.grouped_matmul=ragged_dot")
+    found = problems(hlo, cfg, sizes)
+    assert any(p.startswith("moe grouped matmul: no Mosaic") for p in found), found
+    assert any(p.startswith("dense-expansion buffers") for p in found), found
+
+
+def test_checks_fail_on_xla_attention_at_head_dim_192():
+    # fused: jax.nn.dot_product_attention, whose cuDNN kernel refuses head dim 192 (XLA then)
+    hlo, cfg, sizes = compiled_hlo(V3_192, SHORTER, "attention.implementation=fused")
+    found = problems(hlo, cfg, sizes)
+    assert any(p.startswith("attention: no Mosaic") for p in found), found
+    assert any(p.startswith("S x S float scores") for p in found), found
