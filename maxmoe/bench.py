@@ -265,14 +265,17 @@ def unlogged_offset(done: int, cfg) -> int:
 
 
 def profile_steps(compiled, state, batch, directory: str) -> dict[str, list[dict]]:
-    """Traces PROFILE_STEPS steps into `directory`; returns metrics.profile.breakdown rows."""
+    """Traces PROFILE_STEPS steps into `directory`; returns metrics.profile.breakdown rows and
+    `traced_step_ms`, the wall time per traced step (what the parts add up to)."""
     jax.profiler.start_trace(directory)
     try:
+        t = time.perf_counter()
         for _ in range(PROFILE_STEPS):
             state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
+        wall_ms = (time.perf_counter() - t) * 1e3 / PROFILE_STEPS
     finally:
         jax.profiler.stop_trace()
     hlo = compiled.as_text()
     (Path(directory) / "train_step.hlo.txt").write_text(hlo)  # op names for reading the trace
-    return breakdown(directory, hlo, PROFILE_STEPS)
+    return {**breakdown(directory, hlo, PROFILE_STEPS), "traced_step_ms": wall_ms}

@@ -119,9 +119,10 @@ def test_bench_figures_and_profile_breakdown(tmp_path):
     for part in ("attention: projections", "moe: grouped matmul", "lm head"):
         assert parts[part]["backward_ms"] > 0 and parts[part]["matmul_ms"] > 0, part
     assert sum(row["share"] for row in parts.values()) == pytest.approx(1.0)
-    # wall time: the parts add up to about the traced steps, not to the threads' sum
-    traced = sum(row["total_ms"] for row in parts.values())
-    assert 0.5 * r["step_time_s"] * 1e3 < traced < 2.0 * r["step_time_s"] * 1e3
+    # wall time: the parts add up to about the traced steps' wall (timed around them, so a
+    # loaded host moves both alike), not to the threads' sum, which exceeds it
+    traced, wall = sum(row["total_ms"] for row in parts.values()), r["profile"]["traced_step_ms"]
+    assert 0.5 * wall < traced < 1.1 * wall, (traced, wall)
     assert all(row["matmul_ms"] <= row["total_ms"] + 1e-9 for row in parts.values())
     assert list((tmp_path / "trace").rglob("*.xplane.pb"))
 
