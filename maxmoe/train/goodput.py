@@ -59,7 +59,7 @@ class Goodput:
             new = step > reached_then and not wasted  # as the run stood when it began
             self.add("productive" if new else "redone", max(now - began - (others - others_then),
                                                           0.0))
-        self._lap = (now, self._others(), self.reached)
+        self._lap = (now, others, self.reached)
 
     def finished(self, step: int) -> None:
         """A step was finished (settled): later work on it or before it is redone."""

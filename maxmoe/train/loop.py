@@ -187,8 +187,8 @@ def train(cfg: Config, mesh_sizes: dict[str, int],
         log("nothing to do: the run already reached train.steps (raise it to train further)")
         return {"start_step": start, "final_step": start, "preempted": False}
     sinks = metric_sinks(cfg, run_dir, start) if jax.process_index() == 0 else []
-    loop = _Loop(setup, ckpt, data_iter, preemption, log_window(setup))
-    loop.goodput = Goodput(run_dir if jax.process_index() == 0 else None, started)
+    loop = _Loop(setup, ckpt, data_iter, preemption, log_window(setup),
+                 Goodput(run_dir if jax.process_index() == 0 else None, started))
     loop.guard.events = EventLog(run_dir / "events.jsonl" if jax.process_index() == 0 else None)
     if jax.process_index() == 0 and first_compiled is not None:
         loop.first_compiled = functools.partial(first_compiled, run_dir=run_dir)
@@ -228,7 +228,7 @@ class _Loop:
     """The steps of one run: dispatch, guards one step late, hooks (module docstring)."""
 
     def __init__(self, setup: RunSetup, ckpt: Checkpointer, data_iter, preemption: _Preemption,
-                 window: LogWindow):
+                 window: LogWindow, goodput: Goodput):
         self.setup, self.trainer, self.ckpt = setup, setup.trainer, ckpt
         self.data_iter, self.preemption, self.window = data_iter, preemption, window
         self.timing = window.timing
@@ -238,7 +238,7 @@ class _Loop:
         self.t0 = 0.0  # when the loop started: the first step's compile time counts from it
         self.first_compiled: Callable | None = None  # train's first_compiled, run_dir bound
         self.profile: ProfileWindow | None = None  # logging.profile_start's trace window
-        self.goodput = Goodput(None, time.time())  # train's, with its run dir, on process 0
+        self.goodput = goodput  # where the attempt's time goes (files on process 0 only)
 
     def evaluator(self, tokenizer) -> Callable[[StepEnd], None]:
         """The eval hook: the validation loss of the step's state into `event.extra`."""
@@ -263,9 +263,10 @@ class _Loop:
             # the iterator has handed out exactly `step` batches: the next one is fetched after
             saved = self.ckpt.save(event.step, event.state, self.data_iter, force=event.last,
                                    config=config_json, meta=layout, metrics=event.extra or None)
-            self.goodput.add("checkpoint", time.perf_counter() - t)
+            blocked = time.perf_counter() - t
+            self.goodput.add("checkpoint", blocked)
             if saved:
-                self.save_blocking_s.append(round(time.perf_counter() - t, 3))
+                self.save_blocking_s.append(round(blocked, 3))
         return save
 
     def settle(self, done: int, metrics: dict):

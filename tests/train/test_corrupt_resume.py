@@ -14,19 +14,30 @@ from tests.train.test_checksums import EMBEDDING, flip_byte
 STEPS, EVERY = 4, 2
 
 
-@pytest.mark.slow
-def test_truncated_newest_step_resumes_from_the_previous_one_without_a_traceback(tmp_path):
-    env = cli_env(tmp_path)
-    run_dir = tmp_path / "run"
+def trained(tmp_path):
+    """(CLI environment, run dir) of a run trained STEPS steps, saving every EVERY."""
+    env, run_dir = cli_env(tmp_path), tmp_path / "run"
     code, summary = Run(run_dir, env, steps=STEPS, every=EVERY).finish(timeout=300)
     assert code == 0 and summary["final_step"] == STEPS
+    return env, run_dir
+
+
+def resumed(run_dir, env, *extra) -> tuple[int, dict, Run]:
+    """The same command again, EVERY steps further: (exit code, summary, the run)."""
+    run = Run(run_dir, env, steps=STEPS + EVERY, every=EVERY, extra=extra)
+    code, summary = run.finish(timeout=300)
+    return code, summary, run
+
+
+@pytest.mark.slow
+def test_truncated_newest_step_resumes_from_the_previous_one_without_a_traceback(tmp_path):
+    env, run_dir = trained(tmp_path)
     chunks = run_dir / "checkpoints" / str(STEPS) / "state" / "ocdbt.process_0" / "d"
     biggest = max(chunks.iterdir(), key=lambda p: p.stat().st_size)  # holds many arrays
     os.truncate(biggest, biggest.stat().st_size // 2)
 
-    resumed = Run(run_dir, env, steps=STEPS + EVERY, every=EVERY)
-    code, summary = resumed.finish(timeout=300)
-    err = "".join(resumed.lines)
+    code, summary, run = resumed(run_dir, env)
+    err = "".join(run.lines)
     assert code == 0, err[-3000:]
     assert summary["start_step"] == STEPS - EVERY and summary["final_step"] == STEPS + EVERY
     assert (tmp_path / "run" / "checkpoints.quarantine" / str(STEPS)).is_dir()
@@ -38,24 +49,18 @@ def test_truncated_newest_step_resumes_from_the_previous_one_without_a_traceback
 
 @pytest.mark.slow
 def test_flipped_byte_resumes_silently_without_checksums_and_is_named_with_them(tmp_path):
-    env = cli_env(tmp_path)
-    run_dir = tmp_path / "run"
-    code, summary = Run(run_dir, env, steps=STEPS, every=EVERY).finish(timeout=300)
-    assert code == 0 and summary["final_step"] == STEPS
+    env, run_dir = trained(tmp_path)
     flip_byte(run_dir / "checkpoints" / str(STEPS), EMBEDDING)
     shutil.copytree(run_dir, tmp_path / "off")
 
     # checkpoint.checksums=false: the flipped step is resumed, and nothing is said
-    off = Run(tmp_path / "off", env, steps=STEPS + EVERY, every=EVERY,
-              extra=("checkpoint.checksums=false",))
-    code, summary = off.finish(timeout=300)
+    code, summary, off = resumed(tmp_path / "off", env, "checkpoint.checksums=false")
     err = "".join(off.lines)
     assert code == 0 and summary["start_step"] == STEPS, err[-3000:]
     assert "warning" not in err and not (tmp_path / "off" / "checkpoints.quarantine").exists()
 
     # with checksums (the default): quarantined, the previous step resumed, one line naming it
-    on = Run(run_dir, env, steps=STEPS + EVERY, every=EVERY)
-    code, summary = on.finish(timeout=300)
+    code, summary, on = resumed(run_dir, env)
     err = "".join(on.lines)
     assert code == 0 and summary["start_step"] == STEPS - EVERY, err[-3000:]
     assert (run_dir / "checkpoints.quarantine" / str(STEPS)).is_dir()
