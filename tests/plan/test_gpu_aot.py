@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import ConfigError
-from maxmoe.plan.gpu_aot import cluster_target, gpu_devices, gpu_memory_analysis, target_config
+from maxmoe.plan.gpu_aot import gpu_devices, gpu_memory_analysis, target_config
 from maxmoe.plan.probe import run_probe
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
@@ -52,11 +52,12 @@ def test_hosts_and_errors():
     assert {d.device_kind for d in devices} == {"NVIDIA H100 80GB HBM3"}
     with pytest.raises(ConfigError, match="num_hosts"):
         gpu_devices(6, num_hosts=4)
-    with pytest.raises(ConfigError, match="a100"):
-        target_config("a100")
-    assert cluster_target("h800")[0] == "h100"  # the same SM90 chip, NVLink cut
-    with pytest.raises(ConfigError, match="h100/h800/h200"):
-        cluster_target("b200")
+    with pytest.raises(ConfigError, match="'a100' has no gpu_target"):
+        target_config("a100")  # configs/devices/a100.yaml has peaks but no gpu_target
+    with pytest.raises(ConfigError, match="'tpu9': unknown"):
+        target_config("tpu9")
+    for kind, name in [("h800", "NVIDIA H800"), ("b200", "NVIDIA B200")]:  # their own targets
+        assert {d.device_kind for d in gpu_devices(2, kind)} == {name}
 
 
 @pytest.mark.slow
