@@ -69,3 +69,33 @@ def test_cpu_keeps_its_measured_peak():
     assert isinstance(meter, MatmulPeak)
     rate, source = peak_flops(_cfg(), meter)
     assert rate > 0 and "matmul" in source
+
+
+def test_progress_lines_without_mfu(capsys):
+    """A run with no peak (no `mfu` in its records) shows no MFU, and the bar no placeholder."""
+    from maxmoe.metrics.progress import Progress
+
+    for bar in (False, True):
+        shown = Progress(total_steps=50, bar=bar)
+        shown.write(10, {"loss": 2.0, "tokens_per_second": 1000.0})
+        shown.close()
+    err = capsys.readouterr().err
+    assert "step 10: loss 2.0000 tokens/s 1000" in err and "mfu" not in err, err
+
+
+def test_training_window_without_a_peak_logs_no_mfu(gpu, capsys):
+    """The training loop on an unknown GPU: log_window says MFU is left out, and its records
+    carry tokens/s but no `mfu` key (metrics.jsonl, the report and the bar read it optionally)."""
+    from maxmoe.metrics.flops import flops_per_token
+    from maxmoe.train.reporting import log_window
+
+    gpu("NVIDIA L40S")
+    cfg = _cfg()
+    setup = SimpleNamespace(cfg=cfg, tokens_per_step=2048, model_flops=flops_per_token(cfg) * 2048)
+    window = log_window(setup)
+    assert window.peak is None
+    window.count()  # the first step starts the window
+    window.count()
+    record = window.close({"loss": 2.0}, {})
+    assert "mfu" not in record and record["tokens_per_second"] > 0
+    assert "MFU left out" in capsys.readouterr().err
