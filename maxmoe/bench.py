@@ -215,11 +215,11 @@ def mfu_figures(setup, step_time: float, peak: tuple[float, str],
             "peak_flops_fp8": fp8_peak[0], "peak_source_fp8": fp8_peak[1]}
 
 
-def result(run: dict, base: np.ndarray, steps: int, peak: tuple[float, str],
+def result(run: dict, base: np.ndarray, steps: int, peak: tuple[float, str] | None,
            fp8_peak: tuple[float, str] | None = None) -> dict:
     """A timed run's figures (module docstring); `base`: the first run's step times, for
     paired_ratio; `peak`: (FLOP/s, source) for its compute dtype, `fp8_peak` the FP8 one
-    (default: `peak` again)."""
+    (default: `peak` again); peak None (an accelerator with no devices file): `mfu` None."""
     setup, times, metrics = run["setup"], np.asarray(run["times"]), run["metrics"]
     step_time = float(np.median(times))
     return {
@@ -228,7 +228,9 @@ def result(run: dict, base: np.ndarray, steps: int, peak: tuple[float, str],
         "paired_ratio": float(np.median(times / base)), "step_times_s": times.tolist(),
         "shared_state": run["reuse"],
         "model_flops_per_step": setup.model_flops, "flop_convention": FLOP_CONVENTION,
-        **mfu_figures(setup, step_time, peak, fp8_peak or peak),
+        **(mfu_figures(setup, step_time, peak, fp8_peak or peak) if peak is not None else
+           {"mfu": None, "peak_flops": None, "peak_source": "none: MFU left out (see the "
+                                                             "warning above)"}),
         "precision_fp8": setup.cfg.precision.fp8, "compile_time_s": run["compile_s"],
         "devices": jax.device_count(), "allocator": malloc.in_use(),
         # the kernel's share: page faults and system CPU time a timed step (malloc.py)

@@ -5,8 +5,10 @@ bandwidths and price, each figure with its source in a comment. A cluster file
 (configs/cluster/NAME.yaml) names a kind, a device count and optionally overrides any kind field.
 `load_cluster` reads either form, or builds `COUNTxKIND` (e.g. `2048xh800`) from the kind alone.
 Mesh files (configs/mesh/) are a different thing: a spec pointing there is refused by name.
-`device_kind` names the file of the devices a job runs on: the planner prices them and the
-training loop's MFU divides by their data-sheet peaks, both from configs/devices/.
+`device_kind` names the file of the devices a job runs on (the file whose `device_name` is
+jax's device_kind): the planner prices them and the training loop's MFU divides by their
+data-sheet peaks. A GPU kind's file may also hold `gpu_target:`, the figures the deviceless
+XLA:GPU compile declares (plan/gpu_aot.py). configs/devices/ is the one source of device facts.
 """
 
 from __future__ import annotations
@@ -71,6 +73,13 @@ DEVICE_FIELDS = ("kind", "devices_per_host", "memory_gib", "usable_fraction", "p
                  "price_per_device_hour", "price_source", "price_date")
 _OPTIONAL = {"usable_fraction"}
 CLUSTER_FIELDS = ("kind", "devices") + DEVICE_FIELDS[1:]
+# a device-kind file's keys that are no Cluster field: jax's device_kind of the kind (how a job's
+# devices find their file) and the deviceless XLA:GPU target's figures (gpu_target())
+KIND_ONLY_FIELDS = ("device_name", "gpu_target")
+# gpu_target's keys -> type; figures as the CUDA runtime reports them (cudaDeviceProp)
+GPU_TARGET_FIELDS = {"compute_capability": str, "sm_count": int, "clock_ghz": float,
+                     "memory_bytes": int, "memory_bandwidth": int, "l2_cache_bytes": int}
+_CAPABILITY = re.compile(r"(\d+)\.(\d+)(a?)")
 
 
 def _config_dirs(sub: str) -> list[Path]:
@@ -162,15 +171,24 @@ def _checked(raw: dict, allowed: tuple[str, ...], origin: str) -> dict:
     return out
 
 
-def load_device_kind(kind: str) -> tuple[dict, Path]:
-    """(the checked fields of configs/devices/KIND.yaml, that file); usable_fraction may be
-    absent (the Cluster default applies)."""
+def _kind_file(kind: str) -> tuple[dict, Path]:
+    """(the raw mapping of configs/devices/KIND.yaml, that file); ConfigError if there is none."""
     path = _find("devices", kind)
     if path is None:
         raise ConfigError(f"device kind {kind!r}: unknown; use one of {', '.join(known_kinds())} "
                           f"or add configs/devices/{kind}.yaml")
+    return _read(path), path
+
+
+def load_device_kind(kind: str) -> tuple[dict, Path]:
+    """(the checked Cluster fields of configs/devices/KIND.yaml, that file); usable_fraction may
+    be absent (the Cluster default applies). KIND_ONLY_FIELDS are left out (gpu_target(),
+    device_kind() read them)."""
+    raw, path = _kind_file(kind)
     origin = str(path)
-    fields = _checked(_read(path), DEVICE_FIELDS, origin)
+    for key in KIND_ONLY_FIELDS:
+        raw.pop(key, None)
+    fields = _checked(raw, DEVICE_FIELDS, origin)
     missing = [k for k in DEVICE_FIELDS if k not in fields and k not in _OPTIONAL]
     if missing:
         fail(missing[0], None, origin, "missing", f"add '{missing[0]}:' with its source")
@@ -178,6 +196,41 @@ def load_device_kind(kind: str) -> tuple[dict, Path]:
         fail("kind", fields["kind"], origin, f"differs from the file name {path.stem!r}",
              f"write kind: {path.stem}")
     return fields, path
+
+
+def gpu_target(kind: str) -> dict | None:
+    """The `gpu_target:` figures of configs/devices/KIND.yaml (GPU_TARGET_FIELDS, each checked,
+    compute_capability as (major, minor, "a" or "")) plus its `device_name`; None when the file
+    has no gpu_target. ConfigError for an unknown kind or a bad figure."""
+    raw, path = _kind_file(kind)
+    target, origin = raw.get("gpu_target"), str(path)
+    if target is None:
+        return None
+    if not isinstance(target, dict):
+        fail("gpu_target", target, origin, "must be a mapping",
+             f"indent its keys {', '.join(GPU_TARGET_FIELDS)} under it")
+    out = {}
+    for key, tp in GPU_TARGET_FIELDS.items():
+        value = target.get(key)
+        ok = isinstance(value, int | float if tp is float else tp) and not isinstance(value, bool)
+        if not ok or (tp is not str and value <= 0):
+            fail(f"gpu_target.{key}", value, origin, f"must be a positive {tp.__name__}",
+                 "write the figure the CUDA runtime reports, with its source")
+        out[key] = value
+    unknown = sorted(set(target) - set(GPU_TARGET_FIELDS))
+    if unknown:
+        fail(f"gpu_target.{unknown[0]}", target[unknown[0]], origin, "unknown key",
+             f"use one of {', '.join(GPU_TARGET_FIELDS)}")
+    match = _CAPABILITY.fullmatch(out["compute_capability"])
+    if match is None:
+        fail("gpu_target.compute_capability", out["compute_capability"], origin,
+             "is not MAJOR.MINOR[a]", "write e.g. '9.0a'")
+    out["compute_capability"] = (int(match.group(1)), int(match.group(2)), match.group(3))
+    if not isinstance(raw.get("device_name"), str):
+        fail("device_name", raw.get("device_name"), origin, "missing (a gpu_target needs it)",
+             "add jax's device_kind of this GPU, e.g. device_name: \"NVIDIA H100 80GB HBM3\"")
+    out["device_name"] = raw["device_name"]
+    return out
 
 
 def _build(name: str, devices: int, kind: str, overrides: dict, where: str,
@@ -249,14 +302,20 @@ def load_cluster(spec: str) -> Cluster:
                       f"{', '.join(known_kinds())}")
 
 
-# jax's device_kind -> configs/devices/ file; other kinds are looked up by their slug
-DEVICE_KINDS = {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA H800": "h800",
-                "NVIDIA B200": "b200"}
-
-
 def kind_slug(device_kind: str) -> str:
-    """"NVIDIA A100-SXM4-80GB" -> "nvidia_a100_sxm4_80gb": the file name an unknown kind needs."""
+    """"NVIDIA L40S" -> "nvidia_l40s": the file name an unknown kind needs."""
     return re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_")
+
+
+def kind_named(device_name: str) -> str | None:
+    """The configs/devices/ kind whose `device_name` is jax's device_kind `device_name`, else the
+    file named after its slug, else None."""
+    for kind in known_kinds():
+        raw, _ = _kind_file(kind)
+        if raw.get("device_name") == device_name:
+            return kind
+    slug = kind_slug(device_name)
+    return slug if slug in known_kinds() else None
 
 
 def device_kind() -> tuple[str, str | None]:
@@ -264,5 +323,4 @@ def device_kind() -> tuple[str, str | None]:
     device = jax.devices()[0]
     if device.platform == "cpu":
         return device.device_kind, "cpu"
-    name = DEVICE_KINDS.get(device.device_kind) or kind_slug(device.device_kind)
-    return device.device_kind, name if name in known_kinds() else None
+    return device.device_kind, kind_named(device.device_kind)

@@ -11,10 +11,19 @@ a process frees stays with it for reuse, so its resident size stays at its high-
 order: tcmalloc, jemalloc (LD_PRELOAD is read by the loader at process start, hence the exec),
 else glibc's malloc asking for transparent huge pages where the kernel gives them only on
 request. MAXMOE_MALLOC chooses: auto (that order), tcmalloc, jemalloc, glibc, off (no restart).
+
+`auto` restarts only where the gain was measured: a process whose JAX runs on XLA:CPU, i.e.
+JAX_PLATFORMS is exactly "cpu", or JAX_PLATFORMS is unset and no accelerator device node is
+visible (ACCELERATOR_NODES: NVIDIA's /dev/nvidiaN, AMD ROCm's /dev/kfd, TPU VMs' /dev/accelN).
+A file test, because this runs before JAX is imported (and must stay cheap); a container
+without the device nodes cannot use the GPU, so it counts as a CPU host. On a GPU host the step's
+buffers live in device memory, which these allocators do not manage; nothing was measured there,
+so `auto` leaves the process alone. An explicit MAXMOE_MALLOC choice applies everywhere.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import platform
 import sys
@@ -33,6 +42,7 @@ PRELOADS = {
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 PRELOADED = ("tcmalloc", "jemalloc", "mimalloc")  # a user's own LD_PRELOAD of these is kept
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+ACCELERATOR_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel[0-9]*")  # globs
 
 
 class MallocError(Exception):
@@ -67,6 +77,15 @@ def _madvise_thp() -> bool:
         return False
 
 
+def runs_on_cpu(environ) -> bool:
+    """Whether JAX will run on XLA:CPU (module docstring): JAX_PLATFORMS is exactly cpu, or it
+    is unset and no ACCELERATOR_NODES path exists."""
+    platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return platforms == ["cpu"]
+    return not any(glob.glob(pattern) for pattern in ACCELERATOR_NODES)
+
+
 def restart_env(environ) -> dict[str, str] | None:
     """The environment to restart with, or None to run on as is."""
     choice = environ.get(ENV, "auto")
@@ -75,6 +94,8 @@ def restart_env(environ) -> dict[str, str] | None:
                           f"unset it to pick the fastest allocator installed")
     if sys.platform != "linux" or choice == "off" or _preloaded(environ):
         return None
+    if choice == "auto" and not runs_on_cpu(environ):
+        return None  # measured on XLA:CPU only
     names = {"auto": ("tcmalloc", "jemalloc"), "glibc": ()}.get(choice, (choice,))
     for name in names:
         path = find(name)

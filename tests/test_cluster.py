@@ -7,7 +7,7 @@ import yaml
 from maxmoe.cluster import PACKAGE_CONFIGS, known_clusters, known_kinds, load_cluster
 from maxmoe.config import ConfigError
 
-SHIPPED_KINDS = {"h800", "h100", "h200", "b200", "cpu"}
+SHIPPED_KINDS = {"h800", "h100", "h200", "b200", "a100", "cpu"}
 SHIPPED_CLUSTERS = {"deepseek_v3_h800", "llama3_405b_h100"}
 
 

@@ -12,15 +12,17 @@ import pytest
 import yaml
 
 from maxmoe.cli import main
+from maxmoe.cluster import load_cluster
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.validation import validate
 
 ROOT = Path(__file__).resolve().parents[1]
-# H100/H800: 80 GB, of which 0.8 is usable for the train state (the rest: activations, NCCL,
-# XLA's workspace). Hard-coded until configs/devices/ describes device kinds.
-GPU_STATE_BYTES = int(80e9 * 0.8)
+# The GPU templates run on H800s (k8s: configs/experiments/deepseek_v3_2048xh800.yaml; slurm: the
+# same 80 GB parts): the train state must fit their usable memory (configs/devices/h800.yaml's
+# memory_gib x usable_fraction; the rest: activations, NCCL, XLA's workspace).
+GPU_STATE_BYTES = load_cluster("8xh800").usable_bytes
 CPU_HOST_BYTES = 8 * 2**30  # shared by the fake CPU devices of one laptop-sized host
 
 

@@ -19,6 +19,9 @@ def host(monkeypatch, tmp_path):
     monkeypatch.setattr(malloc, "library_dirs", lambda: [str(tmp_path / "none"), str(libs)])
     monkeypatch.setattr(malloc, "THP_MODE", str(tmp_path / "thp"))
     monkeypatch.setattr(malloc.sys, "platform", "linux")
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    monkeypatch.setattr(malloc, "ACCELERATOR_NODES", (str(dev / "nvidia[0-9]*"), str(dev / "kfd")))
 
     class Host:
         def install(self, *names):
@@ -30,6 +33,9 @@ def host(monkeypatch, tmp_path):
 
         def lib(self, name):
             return str(libs / malloc.PRELOADS[name][0][0])
+
+        def gpu(self, node="nvidia3"):  # a container may see only its own GPU's node
+            (dev / node).write_text("")
     h = Host()
     h.thp(MADVISE)
     return h
@@ -68,6 +74,28 @@ def test_restart_env_picks_one_allocator_once(host, installed, env, thp, expect)
         for key, value in malloc.PRELOADS[expect][2].items():
             assert new[key] == env.get(key, value)
     assert malloc.restart_env(new) is None  # the restarted process runs on: no exec loop
+
+
+@pytest.mark.parametrize("node, env, expect", [
+    (None, {}, "tcmalloc"),  # no accelerator node: XLA:CPU, where it was measured
+    ("nvidia3", {}, None),  # an NVIDIA GPU: auto leaves the process alone
+    ("kfd", {}, None),  # AMD ROCm
+    ("nvidia0", {"JAX_PLATFORMS": "cpu"}, "tcmalloc"),  # a GPU host running JAX on CPU
+    (None, {"JAX_PLATFORMS": "cuda,cpu"}, None),
+    ("nvidia0", {"MAXMOE_MALLOC": "tcmalloc"}, "tcmalloc"),  # an explicit choice still applies
+    ("nvidia0", {"MAXMOE_MALLOC": "glibc"}, "glibc"),
+])
+def test_auto_restarts_only_where_jax_runs_on_cpu(host, node, env, expect):
+    host.install("tcmalloc")
+    if node:
+        host.gpu(node)
+    new = malloc.restart_env(env)
+    if expect is None:
+        assert new is None
+    elif expect == "glibc":
+        assert "LD_PRELOAD" not in new and malloc.HUGE_PAGES_TUNABLE in new["GLIBC_TUNABLES"]
+    else:
+        assert new["LD_PRELOAD"] == host.lib(expect)
 
 
 @pytest.mark.parametrize("value, words", [

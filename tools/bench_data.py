@@ -21,9 +21,15 @@ import time
 # Training-side consumption, for comparison. Tiny: the fastest logging window measured on
 # this 2-core CPU with `maxmoe train configs/tiny.yaml train.steps=20` on prepared stdlib
 # shards (8 fake devices; 2358-3153 tokens/s). Mid-size: estimate for a GPU host,
-# 8 x H100 at 40% MFU of 989 TFLOP/s bf16, 6 x 1e9 active-parameter FLOPs a token.
+# 8 x H100 at 40% MFU of its bf16 peak (configs/devices/h100.yaml), 6 x 1e9 active-parameter
+# FLOPs a token.
 TINY_TRAIN_TOKENS_PER_SECOND = 3200.0
-MID_TRAIN_TOKENS_PER_SECOND_PER_HOST = 8 * 0.4 * 989e12 / (6 * 1e9)
+
+
+def mid_train_tokens_per_second_per_host() -> float:
+    from maxmoe.cluster import load_device_kind
+
+    return 8 * 0.4 * load_device_kind("h100")[0]["peak_bf16_flops"] / (6 * 1e9)
 
 
 def _prepare_figures(workdir: str, megabytes: float, workers: int) -> tuple[str, dict]:
@@ -92,7 +98,7 @@ def main() -> int:
         summary["loader"] = {}
         shapes = {"seq128_batch16": (128, 16), "seq2048_batch32": (2048, 32)}
         needs = {"seq128_batch16": TINY_TRAIN_TOKENS_PER_SECOND,
-                 "seq2048_batch32": MID_TRAIN_TOKENS_PER_SECOND_PER_HOST}
+                 "seq2048_batch32": mid_train_tokens_per_second_per_host()}
         for name, (seq_len, batch) in shapes.items():
             # fewer timed batches for the big shape: each holds 16x the tokens
             count = max(20, args.batches // (4 if seq_len > 1024 else 1))
@@ -106,7 +112,7 @@ def main() -> int:
                           flush=True)
     summary["training_tokens_per_second"] = {
         "tiny_cpu_measured": TINY_TRAIN_TOKENS_PER_SECOND,
-        "mid_gpu_host_estimate": MID_TRAIN_TOKENS_PER_SECOND_PER_HOST}
+        "mid_gpu_host_estimate": mid_train_tokens_per_second_per_host()}
     print(json.dumps(summary, indent=1))
     return 0
 

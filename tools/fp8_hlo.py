@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("what", choices=("kernels", "step"))
     p.add_argument("items", nargs="*", help="step: config files, then KEY=VALUE overrides")
     p.add_argument("--fp8", default="tensorwise,blockwise", help="step: modes to compile")
-    p.add_argument("--aot", default="", help="deviceless XLA:GPU target kind (h100, h200)")
+    p.add_argument("--aot", default="", help="deviceless XLA:GPU target: a configs/devices/ kind with a gpu_target")
     p.add_argument("--devices", type=int, default=1, help="--aot: devices of the topology")
     args = p.parse_args(argv)
     devices = gpu_devices(args.devices, args.aot) if args.aot else jax.devices()

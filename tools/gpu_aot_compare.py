@@ -4,8 +4,9 @@ and attention compiled to (plan/probe.kernel_calls), dense-expansion buffers, S 
 buffers, collective and kernel counts and the collective bytes the planner counts
 (maxmoe/plan/collectives.py: GB one device sends per step, by kind, all axes together).
 
-JAX_PLATFORMS=cpu python tools/gpu_aot_compare.py {cpu|gpu} [--hosts N] [--kind h100|h200]
+JAX_PLATFORMS=cpu python tools/gpu_aot_compare.py {cpu|gpu} [--hosts N] [--kind KIND]
     [CONFIG.yaml ...] [KEY=VALUE ...]
+KIND: a configs/devices/ kind with a gpu_target (h100, h800, h200, b200; default h100).
 Needs jax[cuda12] (same version as jax) and, for the GPU kernels, tokamax (`pip install -e
 ".[cuda]"`, Python >= 3.12) for `gpu`. Shape: the config files given, else configs/tiny.yaml +
 configs/models/tiny_deepseek_v3.yaml (2 data x 2 fsdp x 2 expert unless overridden), with

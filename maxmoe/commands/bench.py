@@ -64,12 +64,14 @@ def sweep_table(key: str, rows: list[tuple[str, dict]]) -> str:
         host = r.get("host_argument_bytes", 0) + r.get("host_output_bytes", 0) + r.get(
             "host_temp_bytes", 0)
         ms, ratio = 1e3 * r["step_time_s"], r["paired_ratio"]
-        lines.append(f"{value:<20} {ms:>9.1f} {ratio:>6.3f} {100 * r['mfu']:>5.1f}% "
+        mfu = f"{100 * r['mfu']:>5.1f}%" if r["mfu"] is not None else f"{'-':>6}"
+        lines.append(f"{value:<20} {ms:>9.1f} {ratio:>6.3f} {mfu} "
                      + " ".join(f"{r.get(k, 0) / mib:>9.2f}" for k in (
                          "argument_bytes", "output_bytes", "temp_bytes", "peak_bytes"))
                      + f" {host / mib:>9.2f}"
                      + (f" {r['tokens_per_second']:>9.0f} {100 * r['mfu_vs_bf16_peak']:>7.1f}% "
-                        f"{100 * r['mfu_vs_fp8_peak']:>7.1f}%" if fp8 else ""))
+                        f"{100 * r['mfu_vs_fp8_peak']:>7.1f}%" if fp8 and r["mfu"] is not None
+                        else ""))
     return "\n".join(lines)
 
 
@@ -99,6 +101,8 @@ def run_sweep(args) -> int:
 def mfu_lines(r: dict) -> list[str]:
     """The MFU line of a bench result; with precision.fp8 on, the class split and the total
     over each peak alone on a second line (metrics.flops.MFU_CONVENTION)."""
+    if r["mfu"] is None:
+        return [f"MFU            left out: no peak ({r['peak_source']})"]
     line = f"MFU            {100 * r['mfu']:.1f}% of {r['peak_flops']:.3e} FLOP/s ({r['peak_source']})"
     if r["precision_fp8"] == "none":
         return [line]

@@ -23,8 +23,10 @@ configs/devices/KIND.yaml (h800, h100, h200, b200, cpu). --search considers ever
 split, remat policy and microbatches) that passes validation, ranks them by an analytic
 estimate and compiles the best --top of them (--ignore-memory: the fastest, fitting or not,
 to weigh a layout that fits against). The last line is one JSON object; --write FILE
-saves the best layout as a config to pass after the model's. --compiler gpu compiles with
-XLA:GPU's own deviceless compile instead (jax's CUDA plugin, no GPU needed; docs/gpu_aot.md)."""
+saves the best layout as a config to pass after the model's. --compiler auto (the default)
+compiles with XLA:GPU's own deviceless compile where jax's CUDA plugin is installed and the
+cluster's devices are NVIDIA GPUs with a gpu_target in configs/devices/ (no GPU needed;
+docs/gpu_aot.md), else with XLA:CPU, saying so in one line."""
 
 
 def add_parser(subparsers) -> None:
@@ -41,9 +43,10 @@ def add_parser(subparsers) -> None:
                    help="--search: rank by step time alone, fitting or not (the fastest layout's "
                         "cost, to weigh a layout that fits against)")
     p.add_argument("--write", metavar="FILE", default="", help="save the best layout as a config")
-    p.add_argument("--compiler", choices=("cpu", "gpu"), default="cpu",
-                   help="cpu: XLA:CPU on fake devices (default); gpu: XLA:GPU on deviceless "
-                        "GPUs of the cluster's kind (h100/h800/h200; needs jax[cuda12])")
+    p.add_argument("--compiler", choices=("auto", "cpu", "gpu"), default="auto",
+                   help="auto (default): gpu where it can, else cpu; cpu: XLA:CPU on fake "
+                        "devices; gpu: XLA:GPU on deviceless GPUs of the cluster's kind (a "
+                        "configs/devices/ kind with a gpu_target; needs jax[cuda12])")
     p.add_argument("--timeout", type=float, default=900,
                    help="seconds one compile may take (default 900)")
     p.set_defaults(run=run)

@@ -17,19 +17,26 @@ MFU = sum over classes c of (FLOPs_c per second) / (peak FLOP/s of c's precision
 - BF16 class: everything else: LM head, router, norms, the attention core (scores and values),
   the MTP projection, against the bf16 peak. With fp8 = none everything is BF16 and MFU is the
   plain total FLOPs / bf16 peak, as before.
-Where no FP8 peak is known (a GPU kind with no configs/devices/ file, whose bf16 peak is measured
-too; CPU, whose peak is measured; a peak given by logging.peak_flops_per_device) the FP8 class is counted at the bf16 peak, and the peak's
-source says so: a fall-back, not an error, since such a run still trains (XLA upcasts).
+Where no FP8 peak is known (CPU, whose peak is measured; a peak given by
+logging.peak_flops_per_device) the FP8 class is counted at the bf16 peak, and the peak's source
+says so: a fall-back, not an error, since such a run still trains (XLA upcasts).
+
+Peaks: logging.peak_flops_per_device if set; else a GPU's configs/devices/ file (found by its
+device_name, cluster.device_kind); else, on CPU, a measured matmul (MatmulPeak). A GPU (or other
+accelerator) kind with no file gets no MFU: one warning line names the kind and the file to add,
+and the peak functions return None. A host matmul is no peak of an accelerator.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from maxmoe.cluster import device_kind, load_device_kind
+from maxmoe.cluster import device_kind, kind_slug, load_device_kind
 from maxmoe.config import Config
 from maxmoe.model.spec import layer_groups
 
@@ -191,11 +198,10 @@ class MatmulPeak:
 
 
 def _data_sheet_peak(precision: str = "bf16") -> tuple[float, str] | None:
-    """(dense peak FLOP/s per device of `precision`, its source) from the GPU's
-    configs/devices/ file (cluster.device_kind); None on other platforms or a GPU kind
-    with no file."""
+    """(dense peak FLOP/s per device of `precision`, its source) from the accelerator's
+    configs/devices/ file (cluster.device_kind); None on CPU or for a kind with no file."""
     device = jax.devices()[0]
-    if device.platform != "gpu":
+    if device.platform == "cpu":
         return None
     _, name = device_kind()
     if name is None:
@@ -204,18 +210,46 @@ def _data_sheet_peak(precision: str = "bf16") -> tuple[float, str] | None:
     return fields[f"peak_{precision}_flops"], f"{device.device_kind} {precision} data-sheet peak"
 
 
+def unknown_accelerator() -> str | None:
+    """jax's device_kind of this job's devices when they are accelerators (not CPUs) with no
+    configs/devices/ file, else None."""
+    kind, name = device_kind()
+    return kind if name is None else None
+
+
+@functools.cache
+def _warn_no_peak(kind: str) -> None:
+    """The one warning line (per process 0, per kind) that MFU is left out."""
+    if jax.process_index() == 0:
+        print(f"maxmoe: warning: device kind {kind!r} has no configs/devices/ file, so MFU is "
+              f"left out; add configs/devices/{kind_slug(kind)}.yaml with device_name: "
+              f"\"{kind}\" and its data-sheet peaks (copy configs/devices/h100.yaml and its "
+              "sources) or set logging.peak_flops_per_device", file=sys.stderr)
+
+
+def _no_peak(cfg: Config) -> bool:
+    """True (after the one warning) where MFU is left out: an accelerator with no devices file
+    and no logging.peak_flops_per_device."""
+    kind = None if cfg.logging.peak_flops_per_device > 0 else unknown_accelerator()
+    if kind is not None:
+        _warn_no_peak(kind)
+    return kind is not None
+
+
 def peak_meter(cfg: Config) -> MatmulPeak | None:
-    """The meter peak_flops measures this config's peak with; None where the peak is given
-    (logging.peak_flops_per_device or a GPU's data sheet)."""
-    if cfg.logging.peak_flops_per_device > 0 or _data_sheet_peak() is not None:
+    """The meter peak_flops measures this config's peak with (CPU only); None where the peak
+    is given (logging.peak_flops_per_device or a GPU's data sheet) or left out (_no_peak)."""
+    if (cfg.logging.peak_flops_per_device > 0 or _data_sheet_peak() is not None
+            or _no_peak(cfg)):
         return None
     # fake CPU devices share the host's cores: the host peak is the peak of all of them;
     # a bfloat16 run against a bfloat16 matmul
     return MatmulPeak(jnp.dtype(cfg.precision.compute_dtype))
 
 
-def peak_flops(cfg: Config, meter: MatmulPeak | None = None) -> tuple[float, str]:
-    """(peak FLOP/s of all devices together, how it was obtained). Measured: 10 more runs of
+def peak_flops(cfg: Config, meter: MatmulPeak | None = None) -> tuple[float, str] | None:
+    """(peak FLOP/s of all devices together, how it was obtained); None where MFU is left out
+    (an accelerator kind with no devices file: one warning). Measured (CPU): 10 more runs of
     `meter` (default a new peak_meter(cfg)), the best of them and of all it timed before."""
     n = jax.device_count()
     if cfg.logging.peak_flops_per_device > 0:
@@ -223,27 +257,34 @@ def peak_flops(cfg: Config, meter: MatmulPeak | None = None) -> tuple[float, str
     sheet = _data_sheet_peak()
     if sheet is not None:
         return sheet[0] * n, sheet[1]
+    if _no_peak(cfg):
+        return None
     meter = meter or peak_meter(cfg)
     return meter.sample(10), meter.source()
 
 
-def fp8_peak_flops(cfg: Config, bf16: tuple[float, str]) -> tuple[float, str]:
+def fp8_peak_flops(cfg: Config, bf16: tuple[float, str] | None) -> tuple[float, str] | None:
     """(FP8 peak FLOP/s of all devices, how it was obtained): the GPU's FP8 data sheet where
     the bf16 peak came from the data sheet too, else `bf16` (peak_flops' result) again, its
-    source saying that FP8 GEMMs are counted at the bf16 peak (module docstring)."""
+    source saying that FP8 GEMMs are counted at the bf16 peak (module docstring); None when
+    `bf16` is None."""
+    if bf16 is None:
+        return None
     sheet = _data_sheet_peak("fp8")
     if cfg.logging.peak_flops_per_device <= 0 and sheet is not None:
         return sheet[0] * jax.device_count(), sheet[1]
     return bf16[0], f"no fp8 peak known: the bf16 one ({bf16[1]})"
 
 
-def mfu_peak(cfg: Config) -> tuple[float, str]:
+def mfu_peak(cfg: Config) -> tuple[float, str] | None:
     """(peak FLOP/s of all devices, how it was obtained) that a run's total FLOP/s is divided by
     for MFU_CONVENTION's MFU: effective_peak of the config's flops_by_precision over the bf16
-    peak (peak_flops(cfg)) and fp8_peak_flops; with precision.fp8 none (or no
-    FP8 peak known) exactly the bf16 peak. The training loop's MFU (and progress bar) uses it,
-    so it counts as `maxmoe bench` (bench.mfu_figures) does."""
+    peak (peak_flops(cfg)) and fp8_peak_flops; with precision.fp8 none (or no FP8 peak known)
+    exactly the bf16 peak; None where MFU is left out (peak_flops). The training loop's MFU
+    (and progress bar) uses it, so it counts as `maxmoe bench` (bench.mfu_figures) does."""
     bf16 = peak_flops(cfg)
+    if bf16 is None:
+        return None
     fp8 = fp8_peak_flops(cfg, bf16)
     peak = effective_peak(flops_by_precision(cfg), {"bf16": bf16[0], "fp8": fp8[0]})
     if cfg.precision.fp8 == "none":

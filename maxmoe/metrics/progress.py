@@ -98,19 +98,20 @@ replace the bar. Process 0 only."""
             if self.use_bar:
                 self.bar = tqdm(total=self.total, initial=step, desc="train", unit="step",
                                 dynamic_ncols=True, file=sys.stderr)
-        host = record.get("host_overhead_fraction")
+        host, mfu = record.get("host_overhead_fraction"), record.get("mfu")
         tokens = record.get("tokens_seen")
         if self.bar is not None:
             self.bar.update(step - self.last_step)
             self.bar.set_postfix(loss=f"{_number(record['loss']):.3f}",
                                  tok_s=f"{record['tokens_per_second']:.0f}",
-                                 mfu=f"{100 * record['mfu']:.1f}%",
+                                 **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {}),
                                  **({"host": f"{100 * host:.1f}%"} if host is not None else {}),
                                  **({"tokens": si(tokens)} if tokens is not None else {}))
         else:
             eta = self.eta_s(step)
             print(f"step {step}: loss {_number(record['loss']):.4f} tokens/s "
-                  f"{record['tokens_per_second']:.0f} mfu {100 * record['mfu']:.1f}%"
+                  f"{record['tokens_per_second']:.0f}"
+                  + (f" mfu {100 * mfu:.1f}%" if mfu is not None else "")
                   + (f" host {100 * host:.1f}%" if host is not None else "")
                   + (f" tokens {si(tokens)}" if tokens is not None else "")
                   + (f" eta {duration(eta)}" if eta is not None else ""), file=sys.stderr)

@@ -31,14 +31,19 @@ from collections.abc import Iterator
 import numpy as np
 from jax.sharding import Mesh
 
-from maxmoe.plan.hlo import Instr, attr, close_bracket, parse_module, shape_bytes
+from maxmoe.plan.hlo import (
+    Instr,
+    attr,
+    callees,
+    close_bracket,
+    known_trip_count,
+    parse_module,
+    shape_bytes,
+)
 from maxmoe.plan.scatter import scattered_parts, use_index
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 _OPCODE_KIND = {k: k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
-_CALLEE_KEYS = ("calls", "to_apply", "body", "condition", "branch_computations",
-                "true_computation", "false_computation", "called_computations")
-_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 Bytes = dict[tuple[str, str], np.ndarray]  # (axis label, kind) -> [ici, dcn]
 
@@ -226,16 +231,6 @@ def _collective(ins: Instr, ctx: _Context, comp: str) -> Bytes:
     return {(label, k): v / topo.size for k, v in links.items() if label and v.sum() > 0}
 
 
-def _callees(ins: Instr) -> list[str]:
-    """Computations an instruction runs (body, condition, branches, calls, to_apply...)."""
-    names = []
-    for key in _CALLEE_KEYS:
-        value = attr(ins.attrs, key)
-        if value:
-            names += re.findall(r"%?([\w.\-]+)", value.strip("{}"))
-    return names
-
-
 def _add(into: Bytes, other: Bytes, times: float = 1.0) -> None:
     for key, v in other.items():
         into[key] = into.get(key, np.zeros(2)) + times * v
@@ -255,17 +250,17 @@ def _walk(ctx: _Context, warnings: list[str]):
                 warnings.append(f"{ins.opcode} {ins.name}: not counted ({e})")
             if ins.opcode.endswith(("-done", "-update")):
                 continue  # the -start half already counted its wrapped computation
-            subs = [cost(c) for c in _callees(ins) if c in comps]
+            subs = [cost(c) for c in callees(ins) if c in comps]
             if ins.opcode == "conditional":
                 _add(total, max(subs, key=lambda b: sum(v.sum() for v in b.values()),
                                 default={}))
                 continue
             times = 1.0
             if ins.opcode == "while":
-                trip = _TRIP.search(ins.attrs)
+                trip = known_trip_count(ins)
                 inner = sum(v.sum() for b in subs for v in b.values())
-                if trip:
-                    times = float(trip.group(1))
+                if trip is not None:
+                    times = float(trip)
                 elif inner > 0:
                     warnings.append(f"while {ins.name}: no known trip count, its collectives "
                                     f"({inner:.4g} bytes per iteration) counted once")

@@ -10,6 +10,7 @@ its CUDA driver check and still registers its topology factory. docs/gpu_aot.md 
 findings and the limits (no autotuning, no cuDNN workspace sizes, kernels' `auto` picks).
 """
 
+import importlib.metadata
 import importlib.util
 import math
 import re
@@ -18,73 +19,96 @@ import jax
 from jax.experimental import topologies
 
 from maxmoe.bench import memory_analysis
+from maxmoe.cluster import gpu_target, known_kinds
 from maxmoe.config import ConfigError
 
-# The figures XLA:GPU's cost models, tiling and scheduler memory limit read, per device kind
-# (vendor data sheets; memory as the CUDA runtime reports it). Hopper only: the config says
-# sm_90a. dnn_version_info below is a cuDNN 9 release: XLA gates cuDNN kernels by version.
-TARGETS = {
-    "h100": dict(name="NVIDIA H100 80GB HBM3", sm=(9, 0), cores=132, clock_ghz=1.98,
-                 memory_bytes=84_942_979_072, bandwidth=3_352_320_000_000,
-                 l2_bytes=52_428_800),
-    "h200": dict(name="NVIDIA H200", sm=(9, 0), cores=132, clock_ghz=1.98,
-                 memory_bytes=151_397_597_184, bandwidth=4_800_000_000_000,
-                 l2_bytes=52_428_800),
-}
-
-# A cluster's device kind -> (its target in TARGETS, what the substitution means). The H800 is
-# the H100's SM90 chip with the same SMs and HBM and a cut NVLink, which the compile never sees.
-CLUSTER_TARGETS = {"h100": ("h100", ""),
-                   "h800": ("h100", "the H100 target: same SM90 chip and 80 GB HBM, NVLink cut"),
-                   "h200": ("h200", "")}
+# Per-SM limits of the SM90 (Hopper) and SM100 (Blackwell) targets: the same figures in XLA's own
+# h100_sxm, h200 and b200 specs (openxla/xla xla/backends/gpu/target_config/specs/): 228 KiB
+# shared memory per SM (227 KiB a block opted in), 64 Ki registers, 2048 threads. The per-device
+# figures (SMs, clock, memory, bandwidth, L2) come from configs/devices/KIND.yaml's gpu_target.
+SM_LIMITS = {"threads_per_block_limit": 1024, "threads_per_warp": 32,
+             "shared_memory_per_block": 49152, "shared_memory_per_block_optin": 232448,
+             "shared_memory_per_core": 233472, "threads_per_core_limit": 2048,
+             "fpus_per_core": 128, "block_dim_limit_x": 2**31 - 1, "block_dim_limit_y": 65535,
+             "block_dim_limit_z": 65535, "registers_per_core_limit": 65536,
+             "registers_per_block_limit": 65536}
+SM_MAJORS = (9, 10)  # the compute capabilities SM_LIMITS holds for
+# the cuDNN wheel jax[cuda12] installs; XLA gates its cuDNN kernels by the declared version
+CUDNN_WHEEL = "nvidia-cudnn-cu12"
 
 
-def cluster_target(kind: str) -> tuple[str, str]:
-    """(TARGETS key, note) for a cluster's device kind; ConfigError for a kind without one."""
-    if kind not in CLUSTER_TARGETS:
-        raise ConfigError(f"--compiler gpu: cluster device kind {kind!r} has no GPU target; "
-                          f"--compiler gpu supports {'/'.join(CLUSTER_TARGETS)} (use --compiler "
-                          "cpu for the others)")
-    return CLUSTER_TARGETS[kind]
+def target_kinds() -> list[str]:
+    """Device kinds whose configs/devices/ file has a gpu_target (the deviceless compile's)."""
+    return [k for k in known_kinds() if gpu_target(k) is not None]
+
+
+def require_target(kind: str) -> dict:
+    """configs/devices/KIND.yaml's gpu_target; ConfigError for a kind without one (or with a
+    compute capability SM_LIMITS does not cover), so `maxmoe plan --compiler gpu` stops first."""
+    target = gpu_target(kind)
+    if target is None:
+        raise ConfigError(f"--compiler gpu: device kind {kind!r} has no gpu_target in "
+                          f"configs/devices/{kind}.yaml; kinds with one: "
+                          f"{', '.join(target_kinds())} (use --compiler cpu, or add its "
+                          "gpu_target: figures with their source)")
+    major, minor, _ = target["compute_capability"]
+    if major not in SM_MAJORS:
+        raise ConfigError(f"--compiler gpu: device kind {kind!r} is SM{major}{minor}; the "
+                          f"deviceless target knows the per-SM limits of SM"
+                          f"{'/SM'.join(f'{m}0' for m in SM_MAJORS)} only (use --compiler cpu)")
+    return target
 
 
 def require_plugin() -> None:
     """Raises ConfigError (what to install) when jaxlib's CUDA plugin is not installed, so
     `maxmoe plan --compiler gpu` stops before any compile."""
-    if importlib.util.find_spec("jax_plugins") is None or \
-            importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not plugin_installed():
         raise ConfigError(f'--compiler gpu needs the jax CUDA plugin: pip install '
                           f'"jax[cuda12]=={jax.__version__}" into the python that runs maxmoe '
                           '(no GPU needed; docs/gpu_aot.md)')
 
 
+def plugin_installed() -> bool:
+    """Whether jaxlib's CUDA 12 plugin (jax_plugins.xla_cuda12) is importable here."""
+    return (importlib.util.find_spec("jax_plugins") is not None
+            and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None)
+
+
+def cudnn_version() -> tuple[int, int, int]:
+    """(major, minor, patch) of the installed cuDNN wheel (CUDNN_WHEEL), which the target config
+    declares; ConfigError naming the install when it is absent."""
+    try:
+        version = importlib.metadata.version(CUDNN_WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(f"deviceless GPU compile: the {CUDNN_WHEEL} wheel is not installed, and "
+                          "the target declares its cuDNN version (XLA picks cuDNN kernels by "
+                          f'it); pip install "jax[cuda12]=={jax.__version__}"') from None
+    parts = [int(p) for p in re.findall(r"\d+", version)[:3]]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
 def target_config(kind: str) -> str:
-    """GpuTargetConfigProto text for a device kind in TARGETS (Hopper: 228 KiB shared memory
-    per SM, 64 Ki registers, 2048 threads); raises ConfigError for an unknown kind."""
-    if kind not in TARGETS:
-        raise ConfigError(f"GPU kind {kind!r} has no target config; use one of "
-                          f"{sorted(TARGETS)} or add its figures to maxmoe/plan/gpu_aot.py")
-    t = TARGETS[kind]
-    info = {"threads_per_block_limit": 1024, "threads_per_warp": 32,
-            "shared_memory_per_block": 49152, "shared_memory_per_block_optin": 232448,
-            "shared_memory_per_core": 233472, "threads_per_core_limit": 2048,
-            "core_count": t["cores"], "fpus_per_core": 128,
-            "block_dim_limit_x": 2**31 - 1, "block_dim_limit_y": 65535,
-            "block_dim_limit_z": 65535, "memory_bandwidth": t["bandwidth"],
-            "l2_cache_size": t["l2_bytes"], "clock_rate_ghz": t["clock_ghz"],
-            "device_memory_size": t["memory_bytes"], "registers_per_core_limit": 65536,
-            "registers_per_block_limit": 65536}
+    """GpuTargetConfigProto text for a device kind with a gpu_target in configs/devices/
+    (require_target), declaring the installed cuDNN (cudnn_version); raises ConfigError for a
+    kind without one or without the cuDNN wheel."""
+    t = require_target(kind)
+    info = dict(SM_LIMITS, core_count=t["sm_count"], memory_bandwidth=t["memory_bandwidth"],
+                l2_cache_size=t["l2_cache_bytes"], clock_rate_ghz=t["clock_ghz"],
+                device_memory_size=t["memory_bytes"])
     lines = [f"  {k}: {v}" for k, v in info.items()]
-    major, minor = t["sm"]
+    major, minor, accelerated = t["compute_capability"]
+    extension = "ACCELERATED_FEATURES" if accelerated else "NONE"  # sm_90a: wgmma, TMA
     lines.append(f"  cuda_compute_capability {{ major: {major} minor: {minor} "
-                 "feature_extension: ACCELERATED_FEATURES }")  # sm_90a: wgmma, TMA
+                 f"feature_extension: {extension} }}")
+    dnn = dict(zip(("major", "minor", "patch"), cudnn_version(), strict=True))
     return ("gpu_device_info {\n" + "\n".join(lines) + "\n}\n" + 'platform_name: "CUDA"\n'
-            "dnn_version_info { major: 9 minor: 8 patch: 0 }\n"
-            f'device_description_str: "{t["name"]}"\n')
+            "dnn_version_info { " + " ".join(f"{k}: {v}" for k, v in dnn.items()) + " }\n"
+            f'device_description_str: "{t["device_name"]}"\n')
 
 
 def gpu_devices(num_devices: int, kind: str = "h200", num_hosts: int = 1) -> list:
-    """Compile-only devices of a deviceless CUDA topology: num_devices GPUs of `kind`, split
+    """Compile-only devices of a deviceless CUDA topology: num_devices GPUs of device `kind`
+    (configs/devices/KIND.yaml's gpu_target), split
     evenly over num_hosts hosts (process_index 0..num_hosts-1), for jax.sharding.Mesh.
     Raises ConfigError when the CUDA plugin is not loaded or the split is uneven."""
     if num_devices < 1 or num_hosts < 1 or num_devices % num_hosts:

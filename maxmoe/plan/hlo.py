@@ -1,7 +1,8 @@
 """HLO module text as printed by `compiled.as_text()`: computations of instructions (name,
 result shape, opcode, operands, attributes, whether it is the ROOT) and the byte sizes of
-shapes, elements, operand names and attribute values. Enough for maxmoe.plan.collectives and
-maxmoe.plan.scatter (all their HLO text parsing is here), not a full HLO parser."""
+shapes, elements, operand names and attribute values, the computations an instruction runs and
+a loop's known trip count. Enough for maxmoe.plan.collectives, maxmoe.plan.scatter and
+maxmoe.plan.compiled_flops (all their HLO text parsing is here), not a full HLO parser."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([<=\d,]*)\]")
 _PARAM = re.compile(r"^\s*(\d+)\s*$")
+_CALLEE_KEYS = ("calls", "to_apply", "body", "condition", "branch_computations",
+                "true_computation", "false_computation", "called_computations")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 
 
 def _uncommented(text: str) -> str:
@@ -128,6 +132,22 @@ def parameter_number(ins: Instr) -> int | None:
     if ins.opcode != "parameter" or not ins.operands or not _PARAM.match(ins.operands[0]):
         return None
     return int(ins.operands[0])
+
+
+def callees(ins: Instr) -> list[str]:
+    """Computations an instruction runs (body, condition, branches, calls, to_apply...)."""
+    names = []
+    for key in _CALLEE_KEYS:
+        value = attr(ins.attrs, key)
+        if value:
+            names += re.findall(r"%?([\w.\-]+)", value.strip("{}"))
+    return names
+
+
+def known_trip_count(ins: Instr) -> int | None:
+    """A `while`'s trip count from its backend_config (known_trip_count), None if unknown."""
+    m = _TRIP.search(ins.attrs)
+    return int(m.group(1)) if m else None
 
 
 def parse_instruction(line: str) -> Instr | None:

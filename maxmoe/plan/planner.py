@@ -7,11 +7,12 @@ import dataclasses
 import math
 from typing import TextIO
 
-from maxmoe.cluster import Cluster, load_cluster
+from maxmoe.cluster import Cluster, gpu_target, load_cluster
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.plan import gpu_aot, search
 from maxmoe.plan.collectives import CommBytes, summarize
+from maxmoe.plan.compiled_flops import check_line
 from maxmoe.plan.probe import COMPILERS, GPU_STAND_INS, ProbeFailed, run_probe
 from maxmoe.plan.report import GIB, mesh_text, plan_figures, table, write_config
 from maxmoe.plan.roofline import parse_tokens
@@ -19,10 +20,11 @@ from maxmoe.validation import validate
 
 
 def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layouts: bool = False,
-         top: int = 4, write: str = "", timeout_s: float = 900, compiler: str = "cpu",
+         top: int = 4, write: str = "", timeout_s: float = 900, compiler: str = "auto",
          ignore_memory: bool = False, out: TextIO) -> dict:
     """Plans `items` (config files and KEY=VALUE overrides) on the cluster, compiling with
-    XLA:CPU on fake devices or XLA:GPU on deviceless GPUs (`compiler`, probe.py); returns
+    XLA:CPU on fake devices or XLA:GPU on deviceless GPUs (`compiler`, probe.py; "auto":
+    resolve_compiler); returns
     {"rows": figures of every compiled layout, best first, "best": rows[0]}. Raises
     ConfigError on bad input (a kind without a GPU target, no CUDA plugin), before any
     compile. ignore_memory: --search ranks and orders every layout by step time alone."""
@@ -31,6 +33,7 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
     cfg, origins = load_config(files, overrides)
     cluster = load_cluster(cluster_spec)
     token_count = parse_tokens(tokens) if tokens else None
+    compiler = resolve_compiler(compiler, cluster, out)
     check_compiler(compiler, cluster)
     print(f"plan: {', '.join(files)} on {cluster.name} ({cluster.devices} x {cluster.kind}, "
           f"{cluster.hosts} hosts of {cluster.devices_per_host}; {cluster.memory_gib:.1f} GiB, "
@@ -72,13 +75,32 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
     return {"rows": rows, "best": rows[0]}
 
 
+def resolve_compiler(compiler: str, cluster: Cluster, out: TextIO) -> str:
+    """`compiler`, with "auto" resolved: "gpu" where jax's CUDA plugin is installed and the
+    cluster's kind is an NVIDIA GPU with a gpu_target in configs/devices/, else "cpu", saying in
+    one line (for a GPU cluster) that the figures come from XLA:CPU's stand-ins."""
+    if compiler != "auto":
+        return compiler
+    target = gpu_target(cluster.kind)
+    nvidia = target is not None and target["device_name"].startswith("NVIDIA")
+    if nvidia and gpu_aot.plugin_installed():
+        return "gpu"
+    if cluster.kind != "cpu":
+        why = ("no jax CUDA plugin here (pip install -e \".[cuda]\")" if nvidia else
+               f"{cluster.kind} has no NVIDIA gpu_target in configs/devices/")
+        print(f"plan: --compiler auto -> cpu ({why}): the figures come from XLA:CPU on fake "
+              "devices, with CPU stand-ins for the GPU's kernels", file=out)
+    return "cpu"
+
+
 def check_compiler(compiler: str, cluster: Cluster) -> None:
     """ConfigError unless `compiler` can compile for the cluster here: "cpu" always; "gpu"
     needs a GPU target for the cluster's kind and jax's CUDA plugin installed."""
     if compiler not in COMPILERS:
-        raise ConfigError(f"--compiler {compiler!r}: unknown; use one of {', '.join(COMPILERS)}")
+        raise ConfigError(f"--compiler {compiler!r}: unknown; use one of auto, "
+                          f"{', '.join(COMPILERS)}")
     if compiler == "gpu":
-        gpu_aot.cluster_target(cluster.kind)
+        gpu_aot.require_target(cluster.kind)
         gpu_aot.require_plugin()
 
 
@@ -136,6 +158,8 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
         f"{t['dcn']:.2f} s) + pipeline bubble {t['pipeline_bubble']:.2f} s = "
         f"{best['step_time_s']:.2f} s; {best['tokens_per_second']:,.0f} tokens/s, MFU "
         f"{100 * best['mfu']:.1f}%{fp8_text(best)}, {best['tokens_per_day'] / 1e9:.1f}B tokens/day")
+    if best.get("flops_check"):
+        say("  " + check_line(best["flops_check"]))
     if best["device_hours"] is not None:
         say(f"  cost: {best['tokens'] / 1e12:.3g}T tokens in {best['steps']:,} steps = "
             f"{best['device_hours']:,.0f} device-hours, {best['days']:.1f} days, "
@@ -169,10 +193,9 @@ def fits_nowhere(cfg, origins: dict[str, str], cluster: Cluster, valid: int) -> 
 def compiler_text(best: dict) -> str:
     """Which compiler produced the figures, with which kernels (the stand-ins on XLA:CPU)."""
     if best.get("compiler") == "gpu":
-        note = f" ({best['gpu_target_note']})" if best.get("gpu_target_note") else ""
         calls = "; ".join(f"{part}: " + ", ".join(f"{n} {kind}" for kind, n in sorted(c.items()))
                           for part, c in sorted((best.get("kernel_calls") or {}).items()))
-        return (f"compiled by XLA:GPU for deviceless {best['gpu_target'].upper()}s{note}, with "
+        return (f"compiled by XLA:GPU for deviceless {best['gpu_target'].upper()}s, with "
                 "the config's kernels: "
                 + ", ".join(f"{k}={v}" for k, v in best["kernels"].items())
                 + f" (compiled to {calls or 'no kernel calls found'}); no autotuning, cuDNN "

@@ -5,8 +5,9 @@ fixes the fake CPU device count once per process), which loads the config, valid
 `devices` devices on `hosts` hosts, lowers the jitted train step with abstract arrays (no
 memory is allocated), compiles it and prints one JSON object: XLA's memory analysis per
 device, the state's bytes per device by part (read from the abstract shardings), the state
-leaves not split over every mesh axis, the largest buffers of the compiled program, and the collective
-bytes per step (collectives.py).
+leaves not split over every mesh axis, the largest buffers of the compiled program, the collective
+bytes per step (collectives.py), and the compiled matmul FLOPs beside the model's
+(compiled_flops.py).
 
 compiler "cpu" (the default) compiles with XLA:CPU on fake CPU devices: where a CPU compile
 differs from the GPU's, the probe compiles the GPU's choice where XLA:CPU can, and otherwise the
@@ -38,6 +39,7 @@ from maxmoe.metrics.flops import fp8_params_per_token
 from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
+from maxmoe.plan.compiled_flops import flops_check
 from maxmoe.plan.hlo import dtype_bytes
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
@@ -195,16 +197,15 @@ def compile_step(items: list[str], devices: int, hosts: int, compiler: str = "cp
     `hosts` hosts: (its RunSetup, the compiled step, the compiler and kernels to report).
     compiler "cpu" sets this process's fake CPU device count (once per process) and compiles
     GPU_STAND_INS; "gpu" compiles the config's own kernels for deviceless GPUs of the cluster
-    device `kind` (gpu_aot.cluster_target), lowered inside kernel_device (tokamax's kernels
+    device `kind` (its configs/devices/ gpu_target), lowered inside kernel_device (tokamax's kernels
     are picked by the default device). ConfigError before compiling for an invalid layout or
     a missing GPU target or plugin."""
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
     cfg, origins = load_config(files, [*overrides, *stand_in_overrides(compiler)])
     if compiler == "gpu":
-        target, note = gpu_aot.cluster_target(kind)
-        mesh_devices = gpu_aot.gpu_devices(devices, target, hosts)
-        kernels = {"compiler": "gpu", "gpu_target": target, "gpu_target_note": note,
+        mesh_devices = gpu_aot.gpu_devices(devices, kind, hosts)
+        kernels = {"compiler": "gpu", "gpu_target": kind,
                    "kernels": {"moe.grouped_matmul": cfg.moe.grouped_matmul,
                                "attention.implementation": cfg.attention.implementation}}
     else:
@@ -247,6 +248,8 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
         "kernel_calls": kernel_calls(hlo),
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
+        "flops_check": flops_check(hlo, compiled, setup.model_flops / devices,
+                                   cfg.model.remat_policy),
         # the FP8 class's share (metrics.flops.MFU_CONVENTION; 0 with precision.fp8 none)
         "model_flops_fp8_per_step": 6.0 * fp8_params_per_token(cfg) * setup.tokens_per_step,
         "tokens_per_step": setup.tokens_per_step,

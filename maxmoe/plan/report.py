@@ -63,10 +63,10 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
         "compile_s": measured.get("compile_s"), "wall_s": measured.get("wall_s"),
         "compiler": measured.get("compiler", "cpu"), "stand_ins": measured.get("stand_ins", {}),
         "gpu_target": measured.get("gpu_target"),
-        "gpu_target_note": measured.get("gpu_target_note"),
         "kernels": measured.get("kernels", {}),
         "cudnn_attention_calls": measured.get("cudnn_attention_calls", 0),
         "kernel_calls": measured.get("kernel_calls", {}),
+        "flops_check": measured.get("flops_check"),  # compiled vs model FLOPs, per device
     }
 
 

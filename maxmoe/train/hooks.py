@@ -24,7 +24,7 @@ class LogWindow:
     on other work (evaluation), and the host's waits and CPU (`timing`). `close` turns it into
     the record metrics.jsonl gets; the run's first step compiles, so a window starts at its end."""
     setup: RunSetup
-    peak: float  # FLOP/s of all devices, for MFU
+    peak: float | None  # FLOP/s of all devices, for MFU; None: MFU left out (no known peak)
     timing: HostTiming
     started: float | None = None  # perf_counter at the start; None until the first step ended
     steps: int = 0  # steps counted since `started`
@@ -57,8 +57,9 @@ class LogWindow:
                                 layers=moe_layer_indices(cfg.model), logged_only=DIAGNOSTICS))
         rec.setdefault("activation_rms_max",  # all layers, from the step (guards)
                        float(np.max(host.get("activation_rms", 0.0))))
-        rec.update(tokens_per_second=tps, mfu=tps / tokens * self.setup.model_flops / self.peak,
-                   step_time_s=tokens / tps if tps else None)
+        rec.update(tokens_per_second=tps, step_time_s=tokens / tps if tps else None)
+        if self.peak is not None:
+            rec["mfu"] = tps / tokens * self.setup.model_flops / self.peak
         if steps:
             rec.update(self.timing.window(steps, elapsed))
         else:  # the first step's own record: the next window's host costs start now

@@ -219,7 +219,7 @@ def train(cfg: Config, mesh_sizes: dict[str, int],
     rec = loop.window.last  # the newest logged step's figures
     if rec is not None:
         summary.update(last_loss=float(rec["loss"]), tokens_per_second=rec["tokens_per_second"],
-                       mfu=rec["mfu"], host_overhead_fraction=rec.get("host_overhead_fraction"))
+                       mfu=rec.get("mfu"), host_overhead_fraction=rec.get("host_overhead_fraction"))
     summary["final_step"] = final_step
     return summary
 

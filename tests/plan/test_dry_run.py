@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from maxmoe.cli import main
-from maxmoe.cluster import DEVICE_KINDS, kind_slug, known_kinds
+from maxmoe.cluster import gpu_target, kind_named, kind_slug, known_kinds
 from maxmoe.config import CheckpointConfig
 from maxmoe.config_files import save_config, to_dict
 from maxmoe.plan import live
@@ -75,9 +75,14 @@ def test_live_cluster_takes_the_job_s_device_counts():
     assert h200.memory_gib > 100
 
 
-def test_every_mapped_device_kind_has_a_file():
-    assert set(DEVICE_KINDS.values()) <= set(known_kinds())
-    assert kind_slug("NVIDIA A100-SXM4-80GB") == "nvidia_a100_sxm4_80gb"
+def test_jax_device_kinds_find_their_files_by_device_name():
+    for device_name, kind in [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H800", "h800"),
+                              ("NVIDIA H200", "h200"), ("NVIDIA B200", "b200"),
+                              ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA L40S", None)]:
+        assert kind_named(device_name) == kind, device_name
+    for kind in ("h100", "h800", "h200", "b200"):  # the compile target names the same GPU
+        assert kind_named(gpu_target(kind)["device_name"]) == kind
+    assert "nvidia_l40s" not in known_kinds() and kind_slug("NVIDIA L40S") == "nvidia_l40s"
 
 
 def test_an_unknown_kind_keeps_its_memory_figures_and_says_how_to_add_it(monkeypatch):
@@ -88,7 +93,7 @@ def test_an_unknown_kind_keeps_its_memory_figures_and_says_how_to_add_it(monkeyp
     figures = live.memory_only_figures(measured)
     assert CONTRACT <= set(figures)
     assert figures["fits"] is False and figures["step_time_s"] is None
-    figures["device_kind"] = "NVIDIA A100-SXM4-80GB"
+    figures["device_kind"] = "NVIDIA L40S"
     line = live.unknown_kind_line(figures)
     assert "does NOT fit the allocator's 80.0 GiB" in line, line
-    assert "configs/devices/nvidia_a100_sxm4_80gb.yaml" in line, line
+    assert "configs/devices/nvidia_l40s.yaml" in line, line

@@ -6,8 +6,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import ConfigError
-from maxmoe.plan.gpu_aot import cluster_target, gpu_devices, gpu_memory_analysis, target_config
-from maxmoe.plan.probe import run_probe
+from maxmoe.plan.compiled_flops import flops_check
+from maxmoe.plan.gpu_aot import gpu_devices, gpu_memory_analysis, target_config
+from maxmoe.plan.probe import compile_step, run_probe
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
 pytestmark = pytest.mark.gpu_aot
@@ -52,11 +53,12 @@ def test_hosts_and_errors():
     assert {d.device_kind for d in devices} == {"NVIDIA H100 80GB HBM3"}
     with pytest.raises(ConfigError, match="num_hosts"):
         gpu_devices(6, num_hosts=4)
-    with pytest.raises(ConfigError, match="a100"):
-        target_config("a100")
-    assert cluster_target("h800")[0] == "h100"  # the same SM90 chip, NVLink cut
-    with pytest.raises(ConfigError, match="h100/h800/h200"):
-        cluster_target("b200")
+    with pytest.raises(ConfigError, match="'a100' has no gpu_target"):
+        target_config("a100")  # configs/devices/a100.yaml has peaks but no gpu_target
+    with pytest.raises(ConfigError, match="'tpu9': unknown"):
+        target_config("tpu9")
+    for kind, name in [("h800", "NVIDIA H800"), ("b200", "NVIDIA B200")]:  # their own targets
+        assert {d.device_kind for d in gpu_devices(2, kind)} == {name}
 
 
 @pytest.mark.slow
@@ -76,3 +78,23 @@ def test_plan_gpu_compiler_end_to_end_matches_cpu_state():
     for part in ("moe grouped matmul", "attention"):  # GPU kernels vs the CPU stand-ins
         assert "mosaic_gpu_v2" in gpu["kernel_calls"][part]
         assert "mosaic_gpu_v2" not in cpu["kernel_calls"].get(part, {})
+    # compiled vs model FLOPs: the Mosaic kernels' FLOPs are not in the HLO (a lower bound, said
+    # so); the CPU stand-in's block loops have data-dependent trip counts (not judged)
+    check = gpu["flops_check"]
+    assert check["verdict"] == "within (a lower bound)" and check["flag"] is False, check
+    assert check["uncounted_custom_calls"]["mosaic_gpu_v2"] > 0 and check["ratio"] < 1
+    assert cpu["flops_check"]["verdict"] == "not judged", cpu["flops_check"]
+
+
+@pytest.mark.slow
+def test_compiled_flops_flag_a_dense_ragged_dot():
+    """tiny (bfloat16) with moe.grouped_matmul=ragged_dot on 8 deviceless H100s: XLA's
+    RaggedDotRewriter runs every row through all 4 local experts, and the check flags it
+    (3.52x the model's FLOPs per device on 2026-12-06, docs/gpu_aot.md)."""
+    items = ["configs/tiny.yaml", "precision.compute_dtype=bfloat16",
+             "moe.grouped_matmul=ragged_dot"]
+    setup, compiled, _ = compile_step(items, 8, 1, "gpu", "h100")
+    check = flops_check(compiled.as_text(), compiled, setup.model_flops / 8,
+                        setup.cfg.model.remat_policy)
+    assert check["flag"] is True and check["ratio"] > 2, check
+    assert check["loops_counted_once"] == 0

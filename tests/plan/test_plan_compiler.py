@@ -83,9 +83,9 @@ def test_fused_attention_picks_cudnn_only_on_a_gpu_mesh(monkeypatch):
 
 
 def test_gpu_compiler_rejects_kinds_without_a_target():
-    line = _one_error_line(_cli("plan", "configs/tiny.yaml", "--cluster", "8xb200",
+    line = _one_error_line(_cli("plan", "configs/tiny.yaml", "--cluster", "8xa100",
                                 "--compiler", "gpu"))
-    assert "b200" in line and "h100/h800/h200" in line
+    assert "'a100' has no gpu_target" in line and "b200, h100, h200, h800" in line, line
 
 
 def _has_plugin() -> bool:
@@ -99,3 +99,35 @@ def test_gpu_compiler_without_the_plugin_is_one_line():
     line = _one_error_line(_cli("plan", "configs/tiny.yaml", "--cluster", "8xh200",
                                 "--compiler", "gpu"))
     assert 'pip install "jax[cuda12]==' in line
+
+
+@pytest.mark.parametrize("choice, plugin, cluster, want, says", [
+    ("auto", True, "8xh100", "gpu", False),  # NVIDIA with a gpu_target and the plugin: XLA:GPU
+    ("auto", True, "8xb200", "gpu", False),
+    ("auto", False, "8xh100", "cpu", True),  # no plugin: XLA:CPU stand-ins, said in one line
+    ("auto", True, "8xa100", "cpu", True),  # an NVIDIA kind without a gpu_target
+    ("auto", True, "8xcpu", "cpu", False),  # XLA:CPU is the real compiler there
+    ("cpu", True, "8xh100", "cpu", False),  # an explicit choice is kept
+])
+def test_compiler_auto_resolves_by_plugin_and_kind(monkeypatch, choice, plugin, cluster, want,
+                                                   says):
+    import io
+
+    from maxmoe.cluster import load_cluster
+    from maxmoe.plan import gpu_aot, planner
+
+    monkeypatch.setattr(gpu_aot, "plugin_installed", lambda: plugin)
+    out = io.StringIO()
+    assert planner.resolve_compiler(choice, load_cluster(cluster), out) == want
+    lines = out.getvalue().splitlines()
+    assert len(lines) == int(says), lines
+    if says:
+        assert "--compiler auto -> cpu" in lines[0] and "XLA:CPU" in lines[0]
+        assert "stand-ins" in lines[0]
+
+
+def test_plan_defaults_to_auto():
+    from maxmoe.cli import build_parser
+
+    args = build_parser().parse_args(["plan", "configs/tiny.yaml", "--cluster", "8xh100"])
+    assert args.compiler == "auto"

@@ -189,6 +189,9 @@ def test_plan_search_small_preset_on_64_devices_end_to_end(tmp_path, capsys):
                 "device_hours_per_trillion_tokens", "cost_usd"):
         assert key in best
     assert best["peak_bytes_per_device"] <= 0.8 * best["device_memory_bytes"]
+    check = best["flops_check"]  # compiled vs model FLOPs; XLA:CPU's blocked stand-in has
+    assert check["compiled_flops_per_device"] > 0  # data-dependent block loops: not judged
+    assert (check["verdict"], check["flag"]) == ("not judged", None), check
     cfg, origins = load_config(["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml",
                                 str(out)], ["data.global_batch_size=64"])
     sizes = validate(cfg, 64, origins, 8)
