@@ -4,7 +4,7 @@ and attention compiled to (plan/probe.kernel_calls), dense-expansion buffers, S 
 buffers, collective and kernel counts and the collective bytes the planner counts
 (maxmoe/plan/collectives.py: GB one device sends per step, by kind, all axes together).
 
-JAX_PLATFORMS=cpu python tools/gpu_aot_compare.py {cpu|gpu} [--hosts N] [--kind KIND]
+JAX_PLATFORMS=cpu python tools/gpu_aot_compare.py {cpu|gpu} [--devices 8] [--hosts N] [--kind KIND]
     [CONFIG.yaml ...] [KEY=VALUE ...]
 KIND: a configs/devices/ kind with a gpu_target (h100, h800, h200, b200; default h100).
 Needs jax[cuda12] (same version as jax) and, for the GPU kernels, tokamax (`pip install -e
@@ -31,6 +31,7 @@ COUNTED = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-a
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("target", choices=["cpu", "gpu"])
+    parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--kind", default="h100")
     parser.add_argument("overrides", nargs="*")
@@ -38,10 +39,10 @@ def main():
     t = time.perf_counter()
     files = [a for a in args.overrides if "=" not in a] or SHAPE
     overrides = [a for a in args.overrides if "=" in a]
-    setup, compiled, _ = compile_step([*files, *overrides], 8, args.hosts, args.target,
-                                      args.kind)
+    setup, compiled, _ = compile_step([*files, *overrides], args.devices, args.hosts,
+                                      args.target, args.kind)
     cfg, sizes, hlo = setup.cfg, setup.mesh_sizes, compiled.as_text()
-    comm = collective_bytes(hlo, setup.trainer.mesh, devices_per_host=8 // args.hosts)
+    comm = collective_bytes(hlo, setup.trainer.mesh, devices_per_host=args.devices // args.hosts)
     by_kind: dict[str, float] = {}
     for kinds in comm.by_axis.values():
         for kind, link in kinds.items():
