@@ -10,7 +10,7 @@ shard_map and hands the tokens to a dispatcher (parallel/dispatch.py, one class 
   token once rather than once per k; buffers of T ep rows, so it suits small expert axes.
 - dropless, moe.transport all_to_all (`AllToAll`): each assignment goes once to its expert's
   shard and back, in rounds of a fixed slot count per (source, destination) pair; buffers of
-  c T K rows whatever ep; nothing dropped (skew runs extra rounds).
+  c T K rows whatever ep; nothing dropped (static rounds enough for any routing).
 - dropless, moe.transport two_level (`TwoLevel`, parallel/two_level.py): under group-limited
   routing, each token once to each host holding its experts, then inside the host to their
   devices (DeepSeek-V3's node-limited dispatch).
