@@ -20,9 +20,11 @@ every round runs whether rows fill it or not. Empty rounds move no rows (ragged_
 send sizes are 0) and give the grouped GEMM empty groups, yet the slot gathers, the zeroing
 and the combine's scatter run on whole buffers: ceil(ep min(K, El) / (c K)) rounds where
 balanced routing fills 1 (docs/performance.md, Static dispatch rounds; a larger
-moe.transport_buffer_factor c trades buffer memory for fewer rounds). `plan_rounds` still
-measures the rounds the data needed (the dispatch_rounds metric) and counts assignments past
-the static rounds as dropped, which distinct expert ids never produce.
+moe.transport_buffer_factor c trades buffer memory for fewer rounds). moe.transport_rounds N
+> 0 runs N rounds instead, Megatron's capacity-factor trade: what does not fit is dropped.
+`plan_rounds` measures the rounds the data needed (the dispatch_rounds metric) and counts the
+assignments past the static rounds as dropped (dropped_fraction): under worst_rounds only
+repeated expert ids within a token can make any.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ import numpy as np
 from maxmoe.kernels.blocked_mlp import block_expert_mlp, block_expert_mlp_accumulate
 from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes
 from maxmoe.kernels.grouped_matmul import _stable_argsort, blocked_rows, dropless_local
+
+# the name scope of the rounds loops (forward and backward): the planner counts their
+# collectives once (plan/collectives.py), not once per static round
+ROUNDS_SCOPE = "exchange_rounds"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,10 +226,11 @@ def exchange_rounds(route: Route, x, w, w_gate, w_up, w_down, order, starts, cou
 
 
 def _rounds_fwd(route, x, w, w_gate, w_up, w_down, *routing):
-    y = jax.lax.fori_loop(
-        0, route.rounds,
-        lambda r, y: y + _one_round(route, r, x, w, w_gate, w_up, w_down, *routing),
-        jnp.zeros((x.shape[0], w_down.shape[-1]), jnp.float32))
+    with jax.named_scope(ROUNDS_SCOPE):
+        y = jax.lax.fori_loop(
+            0, route.rounds,
+            lambda r, y: y + _one_round(route, r, x, w, w_gate, w_up, w_down, *routing),
+            jnp.zeros((x.shape[0], w_down.shape[-1]), jnp.float32))
     return y, (x, w, w_gate, w_up, w_down, *routing)
 
 
@@ -241,8 +248,9 @@ def _rounds_bwd(route, res, gy):
             return _blocked_round_grads(route, r, acc, gy, *diff, *routing)
         _, vjp = jax.vjp(lambda *a: _one_round(route, r, *a, *routing), *diff)
         return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, vjp(gy), strict=True))
-    grads = jax.lax.fori_loop(0, route.rounds, step,
-                              tuple(jnp.zeros(a.shape, jnp.float32) for a in diff))
+    with jax.named_scope(ROUNDS_SCOPE):
+        grads = jax.lax.fori_loop(0, route.rounds, step,
+                                  tuple(jnp.zeros(a.shape, jnp.float32) for a in diff))
     return (*(g.astype(a.dtype) for g, a in zip(grads, diff, strict=True)),
             *(None for _ in routing))
 

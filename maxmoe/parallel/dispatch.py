@@ -15,12 +15,12 @@ called inside parallel/experts.py's `shard_map` body (or without a mesh, with no
 - `AllToAll` (dropless): each (token, destination shard) assignment is sent once, in rounds of
   a fixed number of slots per (source, destination) pair, cap = ceil(c T K / ep), so the
   receive buffer is ep x cap = c T K rows whatever ep (c = moe.transport_buffer_factor).
-  Assignments beyond cap go in later rounds; the round count is static, enough for the worst
-  routing (parallel/all_to_all.py: no host sync on GPU), so nothing is dropped under any
-  routing. The exchange is
-  `lax.ragged_all_to_all` on GPU/TPU and a dense `lax.all_to_all` of the same [ep, cap, D]
-  buffers on CPU (XLA:CPU cannot compile the ragged one); the slots, rounds and combine are
-  one code path for both.
+  Assignments beyond cap go in later rounds; the round count is static (no host sync on GPU):
+  enough for the worst routing, so nothing is dropped under any routing, or
+  moe.transport_rounds, whose overflow is dropped and counted (parallel/all_to_all.py). The
+  exchange is `lax.ragged_all_to_all` on GPU/TPU and a dense `lax.all_to_all` of the same
+  [ep, cap, D] buffers on CPU (XLA:CPU cannot compile the ragged one); the slots, rounds and
+  combine are one code path for both.
 - `TwoLevel` (dropless, parallel/two_level.py): under group-limited routing, each token once
   to each host holding its experts (static [H, T] buffers, no rounds), then an AllToAll inside
   the host; the cross-host rows are at most T x groups_per_token instead of T K.
@@ -102,8 +102,10 @@ def describe_transport(cfg: Config, mesh_sizes: dict[str, int]) -> str | None:
     why = "set" if moe.transport != "auto" else (
         f"auto: ep {ep} on {hosts} host(s); all_gather up to ep {AUTO_ALL_GATHER_MAX_EP} "
         "inside a host")
-    extra = (f", buffer factor {moe.transport_buffer_factor}"
-             if how in ("all_to_all", "two_level") else "")
+    extra = (f", buffer factor {moe.transport_buffer_factor}, " + (
+        f"{moe.transport_rounds} static rounds (overflow dropped, counted in dropped_fraction)"
+        if moe.transport_rounds else "static rounds for any routing (nothing dropped)")
+        if how in ("all_to_all", "two_level") else "")
     if how == "two_level":
         extra += f", {moe.expert_hosts or hosts} hosts x {ep // (moe.expert_hosts or hosts)}"
     return f"moe dispatch: dropless, transport {how} over {ep} expert shards ({why}){extra}"
@@ -212,7 +214,8 @@ class AllToAll(Dispatcher):
         route = Route(axes=shards.gathered, group=n, k=k, num_local=num_local, cap=cap,
                       ragged=self.ragged,
                       grouped_matmul=resolve_kernel(cfg.grouped_matmul, x.dtype, self.fp8),
-                      block_size=cfg.block_size, rounds=worst_rounds(t, k, num_local, cap),
+                      block_size=cfg.block_size,
+                      rounds=cfg.transport_rounds or worst_rounds(t, k, num_local, cap),
                       fp8=self.fp8, amax=self.amax)
         with jax.named_scope("dispatch"):
             shard = expert_idx.reshape(-1) // num_local

@@ -76,7 +76,7 @@ class TwoLevel(Dispatcher):
                                     for j in range(per_host)), **common)
         cap = max(1, math.ceil(cfg.transport_buffer_factor * t * k / per_host))
         inside = Route(group=per_host, num_local=num_local, cap=cap,
-                       rounds=worst_rounds(hosts * t, k, num_local, cap),
+                       rounds=cfg.transport_rounds or worst_rounds(hosts * t, k, num_local, cap),
                        groups=tuple(tuple(h * per_host + j for j in range(per_host))
                                     for h in range(hosts)), **common)
         return across, inside

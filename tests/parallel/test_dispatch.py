@@ -167,7 +167,8 @@ def test_start_up_line_names_the_choice():
 @pytest.mark.parametrize("overrides, message", [
     (["moe.transport=ragged"], "moe.transport.*unknown transport"),
     (["moe.transport=all_to_all", "moe.dispatch=capacity"], "moe.transport.*capacity"),
-    (["moe.transport_buffer_factor=0"], "moe.transport_buffer_factor.*> 0")])
+    (["moe.transport_buffer_factor=0"], "moe.transport_buffer_factor.*> 0"),
+    (["moe.transport_rounds=-1"], "moe.transport_rounds.*>= 0; use 0")])
 def test_bad_transport_settings_name_key_and_fix(overrides, message):
     cfg, origins = small_config(*overrides)
     with pytest.raises(ConfigError, match=message):
@@ -190,3 +191,24 @@ def test_repeated_expert_ids_past_the_static_rounds_are_counted_as_dropped():
     rounds = math.ceil(t / cap)  # worst_rounds: t tokens x min(K, 1 expert a shard)
     assert float(stats["dropped_fraction"]) == (t * K - rounds * cap) * 8 / (B * S * K) > 0
     assert float(stats["dispatch_rounds"]) == math.ceil(t * K / cap)  # what the data needed
+
+
+def test_fewer_static_rounds_drop_the_overflow_and_count_it():
+    """moe.transport_rounds 1 under the worst-case routing: each pair sends cap of its
+    assignments; the rest are dropped and counted, and the output equals one device's with
+    the dropped assignments' router weights zeroed (float32, rtol 1e-4, atol 1e-5)."""
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, transport="all_to_all",
+                    transport_buffer_factor=1.5, transport_rounds=1, grouped_matmul="blocked",
+                    block_size=8)
+    x, idx, weights, wg, wu, wd = _inputs()
+    with use_mesh(make_mesh(MESHES["expert8"]), DEFAULT_RULES):
+        y, stats, _ = jax.jit(functools.partial(_loss_and_grads, cfg))(x, idx, weights, wg, wu,
+                                                                         wd)
+    t = B * S // 8  # tokens per device; expert k of every token lives on shard k
+    cap = math.ceil(1.5 * t * K / 8)
+    assert float(stats["dropped_fraction"]) == (t - cap) * K * 8 / (B * S * K)
+    # kept: each device's first cap tokens (token order within a pair), both of their experts
+    kept = (jnp.arange(B * S) % t < cap).reshape(B, S, 1)
+    y_ref, _, _ = jax.jit(functools.partial(_loss_and_grads, cfg))(
+        x, idx, jnp.where(kept, weights, 0.0), wg, wu, wd)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
