@@ -49,7 +49,7 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
     """x [B, S, D]; expert_idx, weights [B, S, K]; expert weights [E, D, F] / [E, F, D].
 
     Returns (y [B, S, D] in x.dtype, stats): stats["dropped_fraction"] (of the (token, k)
-    assignments) and stats["dispatch_rounds"] (exchange rounds the transport ran, max over
+    assignments) and stats["dispatch_rounds"] (exchange rounds the routing filled, max over
     devices). Picks the dispatcher (parallel/dispatch.py) by moe.dispatch and moe.transport.
     Without a mesh or on a one-device mesh no shard_map is built: its transpose would
     all-reduce the expert weight gradients over the size-1 axes, which XLA:CPU runs as copies.
