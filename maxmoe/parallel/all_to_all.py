@@ -19,8 +19,9 @@ not tokens: the buffers stay [n, cap, D] (c T K rows whatever ep) and nothing is
 every round runs whether rows fill it or not. Empty rounds move no rows (ragged_all_to_all's
 send sizes are 0) and give the grouped GEMM empty groups, yet the slot gathers, the zeroing
 and the combine's scatter run on whole buffers: ceil(ep min(K, El) / (c K)) rounds where
-balanced routing fills 1 (docs/performance.md, Static dispatch rounds; a larger
-moe.transport_buffer_factor c trades buffer memory for fewer rounds). moe.transport_rounds N
+balanced routing fills 1, which at large ep likely costs more than the syncs it removes
+(docs/performance.md, Static dispatch rounds, with the way to make empty rounds cheap; a
+larger moe.transport_buffer_factor c trades buffer memory for fewer rounds). moe.transport_rounds N
 > 0 runs N rounds instead, Megatron's capacity-factor trade: what does not fit is dropped.
 `plan_rounds` measures the rounds the data needed (the dispatch_rounds metric) and counts the
 assignments past the static rounds as dropped (dropped_fraction): under worst_rounds only
