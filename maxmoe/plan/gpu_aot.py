@@ -167,25 +167,17 @@ def score_matrices(hlo_text: str, seq_len: int) -> list[str]:
 
 
 _WHILE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*\bwhile\(")
-_COND = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*\bconditional\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-
-
-def _named(m, line: str) -> str:
-    op = _OP_NAME.search(line)
-    return f"{m.group(1)} ({op.group(1) if op else 'no op_name'})"
 
 
 def unknown_trip_loops(hlo_text: str) -> list[str]:
     """The while loops in compiled XLA:GPU HLO without a known trip count: "name (op_name)"
     each. XLA:GPU writes "known_trip_count" in a while's backend_config when it proves the
     count; without it, every iteration copies the loop predicate to the host and waits."""
-    return sorted(_named(m, line) for line in hlo_text.splitlines()
-                  if (m := _WHILE.match(line)) and '"known_trip_count"' not in line)
-
-
-def conditionals(hlo_text: str) -> list[str]:
-    """The conditionals (lax.cond / lax.switch) in compiled HLO, "name (op_name)" each: XLA:GPU
-    reads their predicate or branch index on the host unless a command buffer takes them."""
-    return sorted(_named(m, line) for line in hlo_text.splitlines()
-                  if (m := _COND.match(line)))
+    found = []
+    for line in hlo_text.splitlines():
+        m = _WHILE.match(line)
+        if m and '"known_trip_count"' not in line:
+            op = _OP_NAME.search(line)
+            found.append(f"{m.group(1)} ({op.group(1) if op else 'no op_name'})")
+    return sorted(found)
