@@ -101,6 +101,7 @@ class MoEConfig:
     block_size: int = 0  # dropless blocked: rows per block (experts padded to whole blocks); 0 = auto
     transport: str = "auto"  # dropless over an expert axis: all_gather | all_to_all | two_level | auto (parallel/dispatch.py)
     transport_buffer_factor: float = 1.5  # all_to_all: c, slots per (source, dest) pair = ceil(c T K / ep)
+    transport_rounds: int = 0  # all_to_all/two_level: static exchange rounds; 0 = enough for any routing (dropless); N = N rounds, the overflow dropped and counted (dropped_fraction)
     expert_hosts: int = 0  # two_level: hosts the expert axis spans (hop 1 across them); 0 = mesh.dcn_expert
     router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3, with a selection bias)
     num_groups: int = 1  # experts form this many contiguous groups (DeepSeek n_group)

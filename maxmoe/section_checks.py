@@ -117,6 +117,8 @@ def check_moe(e: MoEConfig, need: Need) -> None:
          "set moe.transport=auto or moe.dispatch=dropless")
     need(e.transport_buffer_factor > 0, "moe.transport_buffer_factor", "must be > 0",
          "use e.g. 1.5 (more slots per round: fewer rounds, bigger buffers)")
+    need(e.transport_rounds >= 0, "moe.transport_rounds", "must be >= 0",
+         "use 0 (enough rounds for any routing, nothing dropped) or a round count")
     need(e.drop_policy in ("position", "probability"), "moe.drop_policy", "unknown policy",
          "use position or probability")
     need(e.router in ("softmax", "sigmoid"), "moe.router", "unknown router",

@@ -4,10 +4,28 @@ rounds of `cap` slots per (source, destination) pair, the shard runs its experts
 received, and the outputs come back to the sender, which weights and sums them in float32.
 
 `Route` holds the static facts of one exchange; `exchange_rounds(route, x, w, w_gate, w_up,
-w_down, order, starts, counts, recv_counts, local_id, rounds) -> [T, D] float32` runs rounds
-0..rounds-1 under a custom VJP whose residuals are the inputs (memory does not grow with the
-round count). The exchange is `lax.ragged_all_to_all` (route.ragged) or a dense
+w_down, order, starts, counts, recv_counts, local_id) -> [T, D] float32` runs rounds
+0..route.rounds-1 under a custom VJP whose residuals are the inputs (memory does not grow with
+the round count). The exchange is `lax.ragged_all_to_all` (route.ragged) or a dense
 `lax.all_to_all` of the same [n, cap, D] buffers (XLA:CPU cannot compile the ragged one).
+
+The round count is static: `worst_rounds`, the rounds that carry a source's assignments to
+one destination under any routing (a token's K experts are distinct, so a pair holds at most
+T min(K, El) of them). A loop bound read from the data (max over pairs of ceil(count / cap),
+as this module had) is a while loop without a known trip count on XLA:GPU: every round copies
+its predicate to the host and waits. DeepEP's low-latency kernels and Megatron's capacity
+factor avoid that sync with static buffer bounds too; the price here is time, not memory and
+not tokens: the buffers stay [n, cap, D] (c T K rows whatever ep) and nothing is dropped, but
+every round runs whether rows fill it or not. Empty rounds move no rows (ragged_all_to_all's
+send sizes are 0) and give the grouped GEMM empty groups, yet the slot gathers, the zeroing
+and the combine's scatter run on whole buffers: ceil(ep min(K, El) / (c K)) rounds where
+balanced routing fills 1, which at large ep likely costs more than the syncs it removes
+(docs/performance.md, Static dispatch rounds, with the way to make empty rounds cheap; a
+larger moe.transport_buffer_factor c trades buffer memory for fewer rounds). moe.transport_rounds N
+> 0 runs N rounds instead, Megatron's capacity-factor trade: what does not fit is dropped.
+`plan_rounds` measures the rounds the data needed (the dispatch_rounds metric) and counts the
+assignments past the static rounds as dropped (dropped_fraction): under worst_rounds only
+repeated expert ids within a token can make any.
 """
 
 from __future__ import annotations
@@ -23,13 +41,18 @@ from maxmoe.kernels.blocked_mlp import block_expert_mlp, block_expert_mlp_accumu
 from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes
 from maxmoe.kernels.grouped_matmul import _stable_argsort, blocked_rows, dropless_local
 
+# the name scope of the rounds loops (forward and backward): the planner counts their
+# collectives once (plan/collectives.py), not once per static round
+ROUNDS_SCOPE = "exchange_rounds"
+
 
 @dataclasses.dataclass(frozen=True)
 class Route:
     """Static facts of an AllToAll exchange: the group's mesh axes and size, K, the experts per
     shard, the slots per pair and round, the exchange primitive, the grouped-matmul kernel,
-    and groups: None (the group is all of `axes`) or the axis_index_groups of an exchange
-    inside subgroups of `group` members each (lists of indices along `axes`; TwoLevel's hops).
+    the rounds run (static), and groups: None (the group is all of `axes`) or the
+    axis_index_groups of an exchange inside subgroups of `group` members each (lists of
+    indices along `axes`; TwoLevel's hops).
     """
     axes: tuple[str, ...]
     group: int
@@ -40,6 +63,7 @@ class Route:
     grouped_matmul: str
     block_size: int
     groups: tuple[tuple[int, ...], ...] | None = None
+    rounds: int = 1  # the loop's static trip count (worst_rounds)
     fp8: str = "none"  # precision.fp8 of the expert GEMMs (kernels/fp8.py)
     amax: AmaxAxes = NO_AXES  # the axes a tensorwise amax spans (each round scales apart)
 
@@ -62,20 +86,27 @@ def exchange_counts(route: Route, counts):
                               axis_index_groups=route.groups)
 
 
-def plan_rounds(route: Route, key, local_id, sync: tuple[str, ...]):
+def worst_rounds(rows: int, k: int, num_local: int, cap: int) -> int:
+    """Rounds of `cap` slots a pair needs under any routing of `rows` tokens with k distinct
+    experts each, num_local of them on the destination: ceil(rows min(k, num_local) / cap)."""
+    return max(1, -(-rows * min(k, num_local) // cap))
+
+
+def plan_rounds(route: Route, key, local_id):
     """The routing arrays of exchange_rounds (after x, w and the weights) for assignments
     key [N] (their destination member, 0..group-1; group: not sent) of local expert local_id
-    [N] (the expert within the destination's shard): (order, starts, counts, recv_counts,
-    local_id, rounds); rounds is the max over the devices of `sync` (the collectives of a
-    round pair up across devices, so they all run the same trip count)."""
+    [N] (the expert within the destination's shard): ((order, starts, counts, recv_counts,
+    local_id), needed, dropped): needed the rounds this device's data fills (max over its
+    pairs of ceil(count / cap)), dropped its assignments past route.rounds (0 unless expert
+    ids repeat within a token)."""
     n = route.group
     order = _stable_argsort(key, n + 1)
     counts = jnp.bincount(key, length=n + 1)[:n].astype(jnp.int32)
     starts = jnp.cumsum(counts) - counts
-    rounds = -(-jnp.max(counts) // route.cap)
-    rounds = jax.lax.pmax(rounds, sync) if sync else rounds
-    return (order, starts, counts, exchange_counts(route, counts), local_id.astype(jnp.int32),
-            rounds)
+    needed = -(-jnp.max(counts) // route.cap)
+    dropped = jnp.sum(jnp.maximum(counts - route.rounds * route.cap, 0))
+    return ((order, starts, counts, exchange_counts(route, counts),
+             local_id.astype(jnp.int32)), needed, dropped)
 
 
 def move_slots(route: Route, buf, send_sizes, recv_sizes, fill):
@@ -186,21 +217,22 @@ def _blocked_round_grads(route: Route, r, acc, gy, x, w, w_gate, w_up, w_down, *
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def exchange_rounds(route: Route, x, w, w_gate, w_up, w_down, order, starts, counts,
-                    recv_counts, local_id, rounds):
-    """Sum over rounds 0..rounds-1 of _one_round: [T, D] float32. A custom_vjp whose backward
-    loops over the rounds again, recomputing each (under jax.vjp; for the blocked kernel its
-    transposes written out, _blocked_round_grads), so the residuals are the inputs (no
+                    recv_counts, local_id):
+    """Sum over rounds 0..route.rounds-1 of _one_round: [T, D] float32. A custom_vjp whose
+    backward loops over the rounds again, recomputing each (under jax.vjp; for the blocked
+    kernel its transposes written out, _blocked_round_grads), so the residuals are the inputs (no
     per-round stacks: memory does not grow with the round count)."""
     return _rounds_fwd(route, x, w, w_gate, w_up, w_down, order, starts, counts, recv_counts,
-                       local_id, rounds)[0]
+                       local_id)[0]
 
 
-def _rounds_fwd(route, x, w, w_gate, w_up, w_down, *plan):
-    *routing, rounds = plan
-    y = jax.lax.fori_loop(
-        0, rounds, lambda r, y: y + _one_round(route, r, x, w, w_gate, w_up, w_down, *routing),
-        jnp.zeros((x.shape[0], w_down.shape[-1]), jnp.float32))
-    return y, (x, w, w_gate, w_up, w_down, *plan)
+def _rounds_fwd(route, x, w, w_gate, w_up, w_down, *routing):
+    with jax.named_scope(ROUNDS_SCOPE):
+        y = jax.lax.fori_loop(
+            0, route.rounds,
+            lambda r, y: y + _one_round(route, r, x, w, w_gate, w_up, w_down, *routing),
+            jnp.zeros((x.shape[0], w_down.shape[-1]), jnp.float32))
+    return y, (x, w, w_gate, w_up, w_down, *routing)
 
 
 def _rounds_bwd(route, res, gy):
@@ -209,8 +241,7 @@ def _rounds_bwd(route, res, gy):
     grew with the round count (docs/performance.md, Multi-round gradients). The float32
     accumulators of the local expert weights are what the blocked kernel holds too (it sums
     its weight gradients inside, `_blocked_round_grads`)."""
-    x, w, w_gate, w_up, w_down, *plan = res
-    *routing, rounds = plan
+    x, w, w_gate, w_up, w_down, *routing = res
     diff = (x, w, w_gate, w_up, w_down)
 
     def step(r, acc):
@@ -218,10 +249,11 @@ def _rounds_bwd(route, res, gy):
             return _blocked_round_grads(route, r, acc, gy, *diff, *routing)
         _, vjp = jax.vjp(lambda *a: _one_round(route, r, *a, *routing), *diff)
         return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, vjp(gy), strict=True))
-    grads = jax.lax.fori_loop(0, rounds, step,
-                              tuple(jnp.zeros(a.shape, jnp.float32) for a in diff))
+    with jax.named_scope(ROUNDS_SCOPE):
+        grads = jax.lax.fori_loop(0, route.rounds, step,
+                                  tuple(jnp.zeros(a.shape, jnp.float32) for a in diff))
     return (*(g.astype(a.dtype) for g, a in zip(grads, diff, strict=True)),
-            *(None for _ in plan))
+            *(None for _ in routing))
 
 
 exchange_rounds.defvjp(_rounds_fwd, _rounds_bwd)

@@ -15,11 +15,12 @@ called inside parallel/experts.py's `shard_map` body (or without a mesh, with no
 - `AllToAll` (dropless): each (token, destination shard) assignment is sent once, in rounds of
   a fixed number of slots per (source, destination) pair, cap = ceil(c T K / ep), so the
   receive buffer is ep x cap = c T K rows whatever ep (c = moe.transport_buffer_factor).
-  Assignments beyond cap go in extra rounds (their number is the max over pairs of
-  ceil(count / cap)), so nothing is dropped under any routing. The exchange is
-  `lax.ragged_all_to_all` on GPU/TPU and a dense `lax.all_to_all` of the same [ep, cap, D]
-  buffers on CPU (XLA:CPU cannot compile the ragged one); the slots, rounds and combine are
-  one code path for both.
+  Assignments beyond cap go in later rounds; the round count is static (no host sync on GPU):
+  enough for the worst routing, so nothing is dropped under any routing, or
+  moe.transport_rounds, whose overflow is dropped and counted (parallel/all_to_all.py). The
+  exchange is `lax.ragged_all_to_all` on GPU/TPU and a dense `lax.all_to_all` of the same
+  [ep, cap, D] buffers on CPU (XLA:CPU cannot compile the ragged one); the slots, rounds and
+  combine are one code path for both.
 - `TwoLevel` (dropless, parallel/two_level.py): under group-limited routing, each token once
   to each host holding its experts (static [H, T] buffers, no rounds), then an AllToAll inside
   the host; the cross-host rows are at most T x groups_per_token instead of T K.
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 from maxmoe.config import Config, MoEConfig
 from maxmoe.kernels.fp8 import NO_AXES
 from maxmoe.kernels.grouped_matmul import dropless_local, resolve_kernel
-from maxmoe.parallel.all_to_all import Route, exchange_rounds, plan_rounds
+from maxmoe.parallel.all_to_all import Route, exchange_rounds, plan_rounds, worst_rounds
 from maxmoe.sharding import mesh_platform
 
 # auto: all_gather while the expert axis has at most this many shards (a host's GPUs) and
@@ -101,8 +102,10 @@ def describe_transport(cfg: Config, mesh_sizes: dict[str, int]) -> str | None:
     why = "set" if moe.transport != "auto" else (
         f"auto: ep {ep} on {hosts} host(s); all_gather up to ep {AUTO_ALL_GATHER_MAX_EP} "
         "inside a host")
-    extra = (f", buffer factor {moe.transport_buffer_factor}"
-             if how in ("all_to_all", "two_level") else "")
+    extra = (f", buffer factor {moe.transport_buffer_factor}, " + (
+        f"{moe.transport_rounds} static rounds (overflow dropped, counted in dropped_fraction)"
+        if moe.transport_rounds else "static rounds for any routing (nothing dropped)")
+        if how in ("all_to_all", "two_level") else "")
     if how == "two_level":
         extra += f", {moe.expert_hosts or hosts} hosts x {ep // (moe.expert_hosts or hosts)}"
     return f"moe dispatch: dropless, transport {how} over {ep} expert shards ({why}){extra}"
@@ -115,9 +118,8 @@ class ExpertShards:
     axes: the mesh axes of the logical `experts` axis, in order; sizes: their sizes.
     gathered: those that also shard the batch (tokens must travel over them); the others hold
     the same tokens on every shard (each keeps its own experts' assignments, and the caller
-    sums over them). sync: the axes over which AllToAll agrees on one round count (at least
-    the gathered ones; routed_experts passes every axis but the pipeline's, so all devices
-    run the same trip count).
+    sums over them). sync: every axis but the pipeline's (routed_experts' choice), which a
+    tensorwise FP8 amax of the rows spans.
     """
     axes: tuple[str, ...] = ()
     sizes: tuple[int, ...] = ()
@@ -153,7 +155,7 @@ class ExpertShards:
 class Dispatched(NamedTuple):
     y: jax.Array  # [T, D] float32, the weighted sum of each token's expert outputs
     dropped: jax.Array  # int: (token, k) assignments dropped on this device
-    rounds: jax.Array  # int: exchange rounds run (1 for single-exchange transports)
+    rounds: jax.Array  # int: exchange rounds the data filled (1 for single-exchange ones)
 
 
 class Dispatcher:
@@ -208,19 +210,20 @@ class AllToAll(Dispatcher):
         x = x.reshape(-1, x.shape[-1])
         t, k = expert_idx.shape
         n, num_local = shards.group, w_gate.shape[0]
-        route = Route(axes=shards.gathered, group=n, k=k, num_local=num_local,
-                      cap=max(1, math.ceil(cfg.transport_buffer_factor * t * k / n)),
+        cap = max(1, math.ceil(cfg.transport_buffer_factor * t * k / n))
+        route = Route(axes=shards.gathered, group=n, k=k, num_local=num_local, cap=cap,
                       ragged=self.ragged,
                       grouped_matmul=resolve_kernel(cfg.grouped_matmul, x.dtype, self.fp8),
-                      block_size=cfg.block_size, fp8=self.fp8, amax=self.amax)
+                      block_size=cfg.block_size,
+                      rounds=cfg.transport_rounds or worst_rounds(t, k, num_local, cap),
+                      fp8=self.fp8, amax=self.amax)
         with jax.named_scope("dispatch"):
             shard = expert_idx.reshape(-1) // num_local
             dst, mine = shards.destination(shard)
             key = jnp.where(mine, dst, n)  # n: another shard group's expert, never sent
             local_id = expert_idx.reshape(-1) - shard * num_local  # expert within its shard
-            plan = plan_rounds(route, key, local_id, shards.sync)
-        rounds = plan[-1]
-        y = exchange_rounds(route, x, weights.reshape(-1), w_gate, w_up, w_down, *plan)
-        return Dispatched(y, jnp.zeros((), jnp.int32), rounds.astype(jnp.int32))
+            routing, needed, dropped = plan_rounds(route, key, local_id)
+        y = exchange_rounds(route, x, weights.reshape(-1), w_gate, w_up, w_down, *routing)
+        return Dispatched(y, dropped, needed.astype(jnp.int32))
 
 

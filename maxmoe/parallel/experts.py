@@ -10,7 +10,7 @@ shard_map and hands the tokens to a dispatcher (parallel/dispatch.py, one class 
   token once rather than once per k; buffers of T ep rows, so it suits small expert axes.
 - dropless, moe.transport all_to_all (`AllToAll`): each assignment goes once to its expert's
   shard and back, in rounds of a fixed slot count per (source, destination) pair; buffers of
-  c T K rows whatever ep; nothing dropped (skew runs extra rounds).
+  c T K rows whatever ep; nothing dropped (static rounds enough for any routing).
 - dropless, moe.transport two_level (`TwoLevel`, parallel/two_level.py): under group-limited
   routing, each token once to each host holding its experts, then inside the host to their
   devices (DeepSeek-V3's node-limited dispatch).
@@ -49,7 +49,7 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
     """x [B, S, D]; expert_idx, weights [B, S, K]; expert weights [E, D, F] / [E, F, D].
 
     Returns (y [B, S, D] in x.dtype, stats): stats["dropped_fraction"] (of the (token, k)
-    assignments) and stats["dispatch_rounds"] (exchange rounds the transport ran, max over
+    assignments) and stats["dispatch_rounds"] (exchange rounds the routing filled, max over
     devices). Picks the dispatcher (parallel/dispatch.py) by moe.dispatch and moe.transport.
     Without a mesh or on a one-device mesh no shard_map is built: its transpose would
     all-reduce the expert weight gradients over the size-1 axes, which XLA:CPU runs as copies.

@@ -14,7 +14,8 @@ experts the token picked. So:
   (all_to_all sends T K).
 - hop 2, inside the host (device (h', l) to (h', l')): the received rows are the tokens of an
   AllToAll exchange over the host's L devices (parallel/all_to_all.py's rounds: cap =
-  ceil(c T K / L) slots per pair, extra rounds under skew, nothing dropped). Each row comes
+  ceil(c T K / L) slots per pair, a static round count enough for the worst routing of its
+  H T rows, nothing dropped). Each row comes
   back weighted and summed over this host's experts (float32).
 - combine: the per-host sums go back over hop 1 (in the compute dtype) and the sender adds
   its token's hosts' sums in float32.
@@ -43,6 +44,7 @@ from maxmoe.parallel.all_to_all import (
     exchange_slots,
     move_slots,
     plan_rounds,
+    worst_rounds,
 )
 from maxmoe.parallel.dispatch import Dispatched, Dispatcher, ExpertShards
 from maxmoe.sharding import mesh_platform
@@ -72,8 +74,9 @@ class TwoLevel(Dispatcher):
         across = Route(group=hosts, num_local=per_host * num_local, cap=t,
                        groups=tuple(tuple(h * per_host + j for h in range(hosts))
                                     for j in range(per_host)), **common)
-        inside = Route(group=per_host, num_local=num_local,
-                       cap=max(1, math.ceil(cfg.transport_buffer_factor * t * k / per_host)),
+        cap = max(1, math.ceil(cfg.transport_buffer_factor * t * k / per_host))
+        inside = Route(group=per_host, num_local=num_local, cap=cap,
+                       rounds=cfg.transport_rounds or worst_rounds(hosts * t, k, num_local, cap),
                        groups=tuple(tuple(h * per_host + j for j in range(per_host))
                                     for h in range(hosts)), **common)
         return across, inside
@@ -91,16 +94,16 @@ class TwoLevel(Dispatcher):
             ids = move_slots(across, ids, counts, recv_counts, across.num_local)
             flat = ids.reshape(-1)  # expert within this host; num_local of across: empty
             dev = flat // inside.num_local  # L (empty): never sent
-            plan = plan_rounds(inside, dev, flat - dev * inside.num_local, self.shards.sync)
+            routing, needed, dropped = plan_rounds(inside, dev, flat - dev * inside.num_local)
         hosts, d = across.group, x.shape[-1]
         y = exchange_rounds(inside, rows.reshape(hosts * t, d), w.reshape(-1), w_gate, w_up,
-                            w_down, *plan)  # [H T, D] float32: this host's experts, weighted
+                            w_down, *routing)  # [H T, D] float32: this host's experts, weighted
         with jax.named_scope("combine"):
             back = exchange_slots(across, y.astype(x.dtype).reshape(hosts, t, d), recv_counts,
                              counts)
             out = jnp.zeros((t, d), jnp.float32).at[src].add(back.astype(jnp.float32),
                                                              mode="drop")
-        return Dispatched(out, jnp.zeros((), jnp.int32), plan[-1].astype(jnp.int32))
+        return Dispatched(out, dropped, needed.astype(jnp.int32))
 
 
 def _pack_hosts(across: Route, shards: ExpertShards, x, expert_idx, weights):

@@ -16,9 +16,13 @@ A permute is ICI when source and target share a host, else DCN.
 
 Loops: a collective inside a `while` body counts trip-count times
 (backend_config known_trip_count, nested loops multiply); a loop without a known trip count
-counts once and adds a warning. A `conditional` counts its most expensive branch once (the
-step guard's update branch is what runs on normal steps). Computations reached by call,
-fusion, async wrappers and reducers count with their caller's multiplier.
+counts once and adds a warning. The all-to-all transport's rounds loops (named scope
+all_to_all.ROUNDS_SCOPE) count once: their static trip count is the worst routing's, and a
+ragged exchange sends each assignment once over all rounds, at most one round's whole
+buffer (c T K rows) at moe.transport_buffer_factor c >= 1. A `conditional` counts its most
+expensive branch once (the step guard's update branch is what runs on normal steps).
+Computations reached by call, fusion, async wrappers and reducers count with their caller's
+multiplier.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Iterator
 import numpy as np
 from jax.sharding import Mesh
 
+from maxmoe.parallel.all_to_all import ROUNDS_SCOPE
 from maxmoe.plan.hlo import (
     Instr,
     attr,
@@ -259,8 +264,8 @@ def _walk(ctx: _Context, warnings: list[str]):
             if ins.opcode == "while":
                 trip = known_trip_count(ins)
                 inner = sum(v.sum() for b in subs for v in b.values())
-                if trip is not None:
-                    times = float(trip)
+                if trip is not None:  # the rounds loop: once (module docstring)
+                    times = 1.0 if f'/{ROUNDS_SCOPE}/while"' in ins.attrs else float(trip)
                 elif inner > 0:
                     warnings.append(f"while {ins.name}: no known trip count, its collectives "
                                     f"({inner:.4g} bytes per iteration) counted once")

@@ -164,3 +164,20 @@ def score_matrices(hlo_text: str, seq_len: int) -> list[str]:
         if len(dims) >= 2 and dims[-2:] == [seq_len, seq_len]:
             found.add(f"{m.group(1)}{dims}")
     return sorted(found)
+
+
+_WHILE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*\bwhile\(")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def unknown_trip_loops(hlo_text: str) -> list[str]:
+    """The while loops in compiled XLA:GPU HLO without a known trip count: "name (op_name)"
+    each. XLA:GPU writes "known_trip_count" in a while's backend_config when it proves the
+    count; without it, every iteration copies the loop predicate to the host and waits."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _WHILE.match(line)
+        if m and '"known_trip_count"' not in line:
+            op = _OP_NAME.search(line)
+            found.append(f"{m.group(1)} ({op.group(1) if op else 'no op_name'})")
+    return sorted(found)

@@ -24,7 +24,7 @@ from maxmoe.parallel.dispatch import (
     describe_transport,
 )
 from maxmoe.parallel.experts import routed_experts
-from maxmoe.plan.gpu_aot import gpu_devices
+from maxmoe.plan.gpu_aot import gpu_devices, unknown_trip_loops
 from maxmoe.sharding import make_mesh, named, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
@@ -128,7 +128,8 @@ def test_gpu_form_lowers_with_ragged_all_to_all():
 
 def test_gpu_form_compiles_for_gpu_without_a_device():
     """Deviceless XLA:GPU compile of the transport's forward and backward (the venv with
-    jax[cuda12], docs/gpu_aot.md; skipped without the plugin): ragged-all-to-all in the HLO."""
+    jax[cuda12], docs/gpu_aot.md; skipped without the plugin): ragged-all-to-all in the HLO,
+    and the rounds loops have known trip counts (no host sync a round)."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
     mesh = jax.sharding.Mesh(gpu_devices(4, "h100"), ("expert",),
                              axis_types=(jax.sharding.AxisType.Auto,))
@@ -141,6 +142,7 @@ def test_gpu_form_compiles_for_gpu_without_a_device():
     hlo = jax.jit(jax.grad(lambda *a: jnp.sum(body(*a)[0]), argnums=(0, 3))).lower(
         *args).compile().as_text()
     assert "ragged-all-to-all" in hlo
+    assert unknown_trip_loops(hlo) == []
 
 
 @pytest.mark.parametrize("transport, ep, hosts, chosen", [
@@ -165,8 +167,48 @@ def test_start_up_line_names_the_choice():
 @pytest.mark.parametrize("overrides, message", [
     (["moe.transport=ragged"], "moe.transport.*unknown transport"),
     (["moe.transport=all_to_all", "moe.dispatch=capacity"], "moe.transport.*capacity"),
-    (["moe.transport_buffer_factor=0"], "moe.transport_buffer_factor.*> 0")])
+    (["moe.transport_buffer_factor=0"], "moe.transport_buffer_factor.*> 0"),
+    (["moe.transport_rounds=-1"], "moe.transport_rounds.*>= 0; use 0")])
 def test_bad_transport_settings_name_key_and_fix(overrides, message):
     cfg, origins = small_config(*overrides)
     with pytest.raises(ConfigError, match=message):
         validate(cfg, 8, origins)
+
+
+def test_repeated_expert_ids_past_the_static_rounds_are_counted_as_dropped():
+    """The static round count assumes a token's K experts are distinct (the router's top-k).
+    Both of a token's assignments to expert 0 break that: what no round carries is counted in
+    dropped_fraction, never lost silently."""
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, transport="all_to_all",
+                    transport_buffer_factor=1.5, grouped_matmul="blocked", block_size=8)
+    x, _, weights, wg, wu, wd = _inputs()
+    idx = jnp.zeros((B, S, K), jnp.int32)  # every assignment to expert 0 (shard 0 of 8)
+    with use_mesh(make_mesh(MESHES["expert8"]), DEFAULT_RULES):
+        _, stats, _ = jax.jit(functools.partial(_loss_and_grads, cfg))(x, idx, weights, wg, wu,
+                                                                         wd)
+    t = B * S // 8
+    cap = math.ceil(1.5 * t * K / 8)
+    rounds = math.ceil(t / cap)  # worst_rounds: t tokens x min(K, 1 expert a shard)
+    assert float(stats["dropped_fraction"]) == (t * K - rounds * cap) * 8 / (B * S * K) > 0
+    assert float(stats["dispatch_rounds"]) == math.ceil(t * K / cap)  # what the data needed
+
+
+def test_fewer_static_rounds_drop_the_overflow_and_count_it():
+    """moe.transport_rounds 1 under the worst-case routing: each pair sends cap of its
+    assignments; the rest are dropped and counted, and the output equals one device's with
+    the dropped assignments' router weights zeroed (float32, rtol 1e-4, atol 1e-5)."""
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, transport="all_to_all",
+                    transport_buffer_factor=1.5, transport_rounds=1, grouped_matmul="blocked",
+                    block_size=8)
+    x, idx, weights, wg, wu, wd = _inputs()
+    with use_mesh(make_mesh(MESHES["expert8"]), DEFAULT_RULES):
+        y, stats, _ = jax.jit(functools.partial(_loss_and_grads, cfg))(x, idx, weights, wg, wu,
+                                                                         wd)
+    t = B * S // 8  # tokens per device; expert k of every token lives on shard k
+    cap = math.ceil(1.5 * t * K / 8)
+    assert float(stats["dropped_fraction"]) == (t - cap) * K * 8 / (B * S * K)
+    # kept: each device's first cap tokens (token order within a pair), both of their experts
+    kept = (jnp.arange(B * S) % t < cap).reshape(B, S, 1)
+    y_ref, _, _ = jax.jit(functools.partial(_loss_and_grads, cfg))(
+        x, idx, jnp.where(kept, weights, 0.0), wg, wu, wd)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from maxmoe.config import DEFAULT_RULES, ConfigError, MoEConfig
 from maxmoe.parallel.dispatch import ExpertShards, describe_transport, resolve_transport
 from maxmoe.parallel.two_level import TwoLevel
-from maxmoe.plan.gpu_aot import gpu_devices
+from maxmoe.plan.gpu_aot import gpu_devices, unknown_trip_loops
 from maxmoe.validation import validate
 from tests.helpers import small_config
 from tests.parallel.test_dispatch import sharded_equals_one_device
@@ -89,14 +89,16 @@ def test_gpu_form_lowers_with_grouped_ragged_all_to_all():
     assert "ragged_all_to_all" not in dense and "all_to_all" in dense
 
 
-def test_gpu_form_compiles_for_gpu_without_a_device():
+@pytest.mark.parametrize("kernel", ["blocked", "ragged_dot"])
+def test_gpu_form_compiles_for_gpu_without_a_device(kernel):
     """Deviceless XLA:GPU compile of both hops, forward and backward (the venv with
     jax[cuda12], docs/gpu_aot.md; skipped without the plugin): XLA:GPU takes the grouped
-    ragged-all-to-all."""
+    ragged-all-to-all, and with ragged_dot every while has a known trip count (the blocked
+    kernel's block loops, bounded by the routing, do not)."""
     pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
     mesh = jax.sharding.Mesh(gpu_devices(4, "h100"), ("expert",),
                              axis_types=(jax.sharding.AxisType.Auto,))
-    cfg = MoEConfig(num_experts=E, experts_per_token=K, grouped_matmul="blocked", block_size=8)
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, grouped_matmul=kernel, block_size=8)
     shards = ExpertShards(axes=("expert",), sizes=(4,), gathered=("expert",), sync=("expert",))
     rows = jax.sharding.NamedSharding(mesh, P("expert"))
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows) for a in (
@@ -110,6 +112,7 @@ def test_gpu_form_compiles_for_gpu_without_a_device():
     hlo = jax.jit(jax.grad(lambda *a: jnp.sum(body(*a)), argnums=(0, 2, 3))).lower(
         *args).compile().as_text()
     assert "ragged-all-to-all" in hlo
+    assert kernel == "blocked" or unknown_trip_loops(hlo) == []
 
 
 TWO_LEVEL = ["moe.transport=two_level", "moe.num_groups=4", "moe.groups_per_token=2"]

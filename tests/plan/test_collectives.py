@@ -156,6 +156,20 @@ def test_trip_counts_unknown_loops_and_conditionals_on_literal_hlo():
     assert "y" in summarize(result) and "warning: while w2" in summarize(result)
 
 
+def test_all_to_all_rounds_loop_counts_once():
+    """The rounds loop's static trip count is the worst routing's; a ragged exchange sends each
+    assignment once over all rounds, so its collectives count once (module docstring)."""
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    rounds = LITERAL.replace('body=%body, backend_config={"known_trip_count"',
+                             'body=%body, metadata={op_name="jit(f)/moe/exchange_rounds/while"}, '
+                             'backend_config={"known_trip_count"')
+    assert rounds != LITERAL
+    result = collective_bytes(rounds, mesh, devices_per_host=8)
+    # w1 (7 trips, the rounds scope) once + w2 (unknown) once
+    assert result.by_axis["y"]["all-reduce"]["ici"] == pytest.approx(2 * 1024, rel=1e-9)
+    assert len(result.warnings) == 1 and "w2" in result.warnings[0]  # w1's count is known
+
+
 @pytest.mark.slow
 def test_tiny_train_step_on_fsdp_expert_tensor():
     cfg, origins = small_config("mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2")

@@ -6,16 +6,24 @@ Each compile takes about a minute on 2 cores.
 
 Layouts: tiny (GQA, head dim 32) on 2 fsdp x 2 expert x 2 tensor; tiny DeepSeek-V3 with
 DeepSeek-V3's MLA head dims (q/k 192, v 128) on 2 data x 2 expert x 2 tensor, the expert axis
-across 2 hosts (so the all-to-all runs as ragged_all_to_all). The checks are shown to fail on
-lax.ragged_dot and on XLA attention at head dim 192.
+across 2 hosts (so the all-to-all runs as ragged_all_to_all). Every while loop must have a
+known trip count (no host sync per trip). The checks are shown to fail on lax.ragged_dot, on
+XLA attention at head dim 192 and on a loop bounded by an array.
 """
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
 pytest.importorskip("tokamax", reason="tokamax not installed")
 
-from maxmoe.plan.gpu_aot import dense_expansions, score_matrices  # noqa: E402
+from maxmoe.plan.gpu_aot import (  # noqa: E402
+    dense_expansions,
+    gpu_devices,
+    score_matrices,
+    unknown_trip_loops,
+)
 from maxmoe.plan.probe import compile_step, kernel_calls  # noqa: E402
 
 pytestmark = pytest.mark.gpu_aot
@@ -54,6 +62,9 @@ def problems(hlo: str, cfg, sizes) -> list[str]:
     scores = score_matrices(hlo, cfg.data.seq_len)
     if scores:
         out.append(f"S x S float scores {scores}")
+    loops = unknown_trip_loops(hlo)
+    if loops:
+        out.append(f"while loops without a known trip count (a host sync each trip) {loops}")
     return out
 
 
@@ -84,3 +95,19 @@ def test_checks_fail_on_xla_attention_at_head_dim_192():
     found = problems(hlo, cfg, sizes)
     assert any(p.startswith("attention: no Mosaic") for p in found), found
     assert any(p.startswith("S x S float scores") for p in found), found
+
+
+def test_trip_count_check_fires_on_a_data_dependent_loop():
+    """A fori_loop bounded by an array (what the all-to-all rounds were) compiles for XLA:GPU
+    to a while without known_trip_count; bounded by a Python int, it has one."""
+    def run(bound):
+        def f(n, x):
+            return jax.lax.fori_loop(0, n if bound is None else bound, lambda i, y: y * 1.5 + i, x)
+        one = jax.sharding.SingleDeviceSharding(gpu_devices(1, "h100")[0])
+        args = (jax.ShapeDtypeStruct((), jnp.int32, sharding=one),
+                jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=one))
+        return jax.jit(f).lower(*args).compile().as_text()
+    found = unknown_trip_loops(run(None))
+    assert len(found) == 1 and "while" in found[0], found
+    static = run(7)
+    assert '"known_trip_count":{"n":"7"}' in static and unknown_trip_loops(static) == []
