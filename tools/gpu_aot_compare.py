@@ -20,7 +20,7 @@ import time
 
 from maxmoe.bench import memory_analysis
 from maxmoe.plan.collectives import collective_bytes
-from maxmoe.plan.gpu_aot import dense_expansions, score_matrices
+from maxmoe.plan.gpu_aot import dense_expansions, score_matrices, unknown_trip_loops
 from maxmoe.plan.probe import compile_step, kernel_calls, largest_buffers
 
 SHAPE = ["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml"]
@@ -55,6 +55,7 @@ def main():
         "dense_expansions": dense_expansions(hlo, cfg.moe.num_experts // sizes["expert"],
                                              cfg.model.hidden_size * cfg.moe.expert_mlp_size),
         "score_matrices": score_matrices(hlo, cfg.data.seq_len),
+        "unknown_trip_loops": unknown_trip_loops(hlo),
         "largest_buffers": largest_buffers(hlo, 4),
         "hlo_counts": {k: hlo.count(k) for k in COUNTED},
         "collective_gb": {k: round(v, 6) for k, v in sorted(by_kind.items())},
