@@ -29,6 +29,7 @@ from jax.sharding import SingleDeviceSharding
 from maxmoe.config_files import load_config
 from maxmoe.kernels.fp8 import fp8_dot
 from maxmoe.kernels.fp8_ragged import fp8_ragged_dot
+from maxmoe.kernels.tokamax_ops import kernel_device
 from maxmoe.plan.gpu_aot import gpu_devices
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
@@ -36,12 +37,14 @@ from maxmoe.validation import validate
 
 F8 = re.compile(r"^f8e(?:4m3fn|5m2)\[")
 CUSTOM = re.compile(r'custom_call_target="([^"]+)"')
+OP_NAME = re.compile(r'op_name="([^"]*)"')
 INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.-]+)\s*=\s*(.+?)\s+([\w-]+)\((.*)")
 OPERAND = re.compile(r"%[\w.-]+")
 
 
-def fp8_counts(hlo: str) -> dict[str, int]:
-    """Counts over an HLO module's text: dots and ragged dots, those with an FP8 operand (an
+def fp8_counts(hlo: str, scope: str = "") -> dict[str, int]:
+    """Counts over an HLO module's text (scope: only instructions whose op_name metadata
+    contains it, e.g. "attention/projection"): dots and ragged dots, those with an FP8 operand (an
     operand whose instruction in the same computation is typed f8e4m3fn / f8e5m2: the printed
     dot names its operands without types), cuBLAS(Lt) custom calls by target
     (`__cublas$lt$matmul$f8` is the FP8 GEMM) and the instructions producing FP8 values (the
@@ -57,6 +60,9 @@ def fp8_counts(hlo: str) -> dict[str, int]:
             continue
         name, shape, op, rest = match.groups()
         types[name] = shape
+        op_name = OP_NAME.search(line)
+        if scope and (op_name is None or scope not in op_name.group(1)):
+            continue
         out["f8_values"] += bool(F8.match(shape))
         if op in ("dot", "ragged-dot"):
             key = "dots" if op == "dot" else "ragged_dots"
@@ -119,7 +125,7 @@ def step(files: list[str], overrides: list[str], modes: list[str], devices) -> l
         batch = {key: jax.ShapeDtypeStruct(shape, jnp.float32 if key == "loss_mask" else jnp.int32,
                                            sharding=trainer.batch_sharding)
                  for key in ("tokens", "targets", "segment_ids", "positions", "loss_mask")}
-        with use_mesh(trainer.mesh, trainer.rules):
+        with use_mesh(trainer.mesh, trainer.rules), kernel_device(trainer.mesh.devices.flat):
             lowered = trainer.jitted_step.lower(trainer.abstract_state, batch)
             rows.append(report(f"train step fp8={mode}", lowered, config=files,
                                overrides=overrides))

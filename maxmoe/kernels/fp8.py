@@ -67,6 +67,24 @@ def quantize_with(x: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
 
 
+def round_e4m3(v: jax.Array) -> jax.Array:
+    """v (float32, within +-448) rounded to the nearest float8_e4m3fn value, ties to even, in
+    float32: what v.astype(E4M3).astype(float32) gives, bit for bit, but in ops XLA keeps.
+    XLA:GPU drops a convert to E4M3 and straight back (xla_allow_excess_precision, on by
+    default), which would drop the rounding itself. Subnormals (|v| < 2^-6) sit on the 2^-9
+    grid; normals keep 3 mantissa bits (reduce_precision with 5 exponent bits never
+    overflows or flushes in E4M3's range)."""
+    v = v.astype(jnp.float32)
+    return jnp.where(jnp.abs(v) < 2.0 ** -6, jnp.round(v * 512.0) / 512.0,
+                     jax.lax.reduce_precision(v, exponent_bits=5, mantissa_bits=3))
+
+
+def rounded_with(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """quantize_with(x, scale) dequantised, float32: x as an FP8 GEMM with this scale sees it,
+    computed with round_e4m3 so that XLA:GPU keeps the rounding."""
+    return round_e4m3(jnp.clip(x.astype(jnp.float32) / scale, -E4M3_MAX, E4M3_MAX)) * scale
+
+
 def tensorwise_matmul(a: jax.Array, sa: jax.Array, b: jax.Array, sb: jax.Array) -> jax.Array:
     """a [M, K] @ b [K, N] on E4M3 operands quantised with the given scalar scales sa, sb (the
     scales of whole tensors that a and b are parts of), float32 result."""
@@ -78,13 +96,25 @@ def quantize(x: jax.Array, tile: tuple[int, int] | None) -> tuple[jax.Array, jax
     """x [M, N] -> (q [M, N] float8_e4m3fn, scale [ceil(M/r), ceil(N/c)] float32) for tiles of
     (r, c) elements (None: one tile, the whole tensor); x ~ q * scale of its tile. Partial
     tiles at the ends take the amax of the elements they hold."""
+    return _tiled(x, tile, quantize_with)
+
+
+def round_trip(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+    """x [M, N] as quantize(x, tile) and dequantize would give it back, float32, in ops that
+    XLA:GPU keeps (rounded_with)."""
+    return _tiled(x, tile, rounded_with)[0]
+
+
+def _tiled(x, tile, per_tile):
+    """(per_tile(tiles of x, their scales) as [M, N], scale [ceil(M/r), ceil(N/c)]) for
+    quantize's tiles."""
     m, n = x.shape
     r, c = tile if tile is not None else (m, n)
     mb, nb = -(-m // r), -(-n // c)
     xp = jnp.pad(x.astype(jnp.float32), ((0, mb * r - m), (0, nb * c - n)))
     tiles = xp.reshape(mb, r, nb, c)
     scale = scale_of(jnp.max(jnp.abs(tiles), axis=(1, 3)))
-    q = quantize_with(tiles, scale[:, None, :, None])
+    q = per_tile(tiles, scale[:, None, :, None])
     return q.reshape(mb * r, nb * c)[:m, :n], scale
 
 
@@ -105,13 +135,14 @@ def round_trip_row_tiles(x: jax.Array, tile: jax.Array, num_tiles: int) -> jax.A
     """x [M, N] -> dequantize(quantize(x)) in float32 with tiles given per row: the elements of
     column j in rows with tile id t share a scale (their amax / 448), so tile ids make 128x1
     token tiles that follow group boundaries (a ragged weight gradient's). tile [M] int in
-    [0, num_tiles]; rows with id num_tiles (padding) come back as zeros and count in no amax."""
+    [0, num_tiles]; rows with id num_tiles (padding) come back as zeros and count in no amax.
+    Computed with rounded_with, so XLA:GPU keeps the rounding."""
     live = (tile < num_tiles)[:, None]
     x = jnp.where(live, x.astype(jnp.float32), 0.0)
     amax = jax.ops.segment_max(jnp.abs(x), tile, num_segments=num_tiles + 1,  # [tiles + 1, N]
                                indices_are_sorted=True)
     scale = scale_of(amax)[tile]
-    return quantize_with(x, scale).astype(jnp.float32) * scale
+    return rounded_with(x, scale)
 
 
 def fp8_matmul(a: jax.Array, b: jax.Array, mode: str, b_tile: int = BLOCK) -> jax.Array:

@@ -22,7 +22,7 @@ from maxmoe.kernels.fp8 import (
     NO_AXES,
     AmaxAxes,
 )
-from maxmoe.kernels.fp8_ragged import fp8_ragged_dot
+from maxmoe.kernels.fp8_ragged import dequantised_ragged_dot, fp8_ragged_dot
 from maxmoe.sharding import mesh_platform
 
 
@@ -35,17 +35,19 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     w_gate, w_up [El, D, F]; w_down [El, F, D]. Returns [T, D] float32: the weighted sum over
     this shard's experts.
     grouped_matmul: "tokamax" (tokamax_ops.ragged_dot, the Mosaic GPU grouped GEMM, over rows
-    sorted by expert; ConfigError off NVIDIA GPUs, under fp8, or for float32), "ragged_dot"
+    sorted by expert; ConfigError off NVIDIA GPUs or for float32), "ragged_dot"
     (lax.ragged_dot over the same rows), "blocked" (rows sorted by expert, each expert padded
     to whole blocks of block_size rows, then `block_expert_mlp`, a loop over the blocks in
     use: the fast form on XLA:CPU) or "auto" (resolve_kernel).
     fp8: precision.fp8; tensorwise / blockwise run the expert GEMMs on E4M3 operands
-    (kernels/fp8.py; ragged_dot: `fp8_ragged_dot`, blocked: inside `block_expert_mlp`).
+    (kernels/fp8.py; ragged_dot: `fp8_ragged_dot`, blocked: inside `block_expert_mlp`), or,
+    with tokamax, on E4M3-rounded operands dequantised to x's dtype (`dequantised_ragged_dot`:
+    tokamax has no FP8 ragged kernel for SM90).
     amax: the mesh axes a tensorwise amax spans (kernels/fp8.AmaxAxes; the caller's shard_map).
     """
-    grouped_matmul = resolve_kernel(grouped_matmul, x.dtype, fp8)
+    grouped_matmul = resolve_kernel(grouped_matmul, x.dtype)
     if grouped_matmul == "tokamax":
-        tokamax_ops.require("moe.grouped_matmul=tokamax", x.dtype, fp8)
+        tokamax_ops.require("moe.grouped_matmul=tokamax", x.dtype)
     tokamax_ops.log_kernel("moe grouped matmul", grouped_matmul)
     k, num_local = expert_idx.shape[1], w_gate.shape[0]
     scope = jax.named_scope  # the profile's MoE parts (blocked: no separate combine)
@@ -64,7 +66,9 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
     with scope("grouped_matmul"):
         def mm(a, w):
             if grouped_matmul == "tokamax":
-                return tokamax_ops.ragged_dot(a, w, sizes)
+                if fp8 == "none":
+                    return tokamax_ops.ragged_dot(a, w, sizes)
+                return dequantised_ragged_dot(a, w, sizes, fp8, amax)
             if fp8 == "none":
                 return jax.lax.ragged_dot(a, w, sizes)
             return fp8_ragged_dot(a, w, sizes, fp8, amax)
@@ -76,18 +80,18 @@ def dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first_expert, *
         return jnp.zeros(x.shape, jnp.float32).at[token].add(out)
 
 
-def resolve_kernel(grouped_matmul: str, dtype=jnp.bfloat16, fp8: str = "none") -> str:
-    """moe.grouped_matmul with auto resolved for operands of `dtype` under precision.fp8 on the
+def resolve_kernel(grouped_matmul: str, dtype=jnp.bfloat16) -> str:
+    """moe.grouped_matmul with auto resolved for operands of `dtype` on the
     current mesh's devices (sharding.mesh_device): blocked on CPU (XLA:CPU lowers ragged_dot
-    densely); on NVIDIA GPUs tokamax where its Mosaic grouped GEMM takes the step
-    (bfloat16/float16, fp8 none), else blocked (XLA:GPU expands ragged_dot densely too);
-    ragged_dot on other devices."""
+    densely); on NVIDIA GPUs tokamax where its Mosaic grouped GEMM takes the operands
+    (bfloat16/float16; under FP8 on dequantised E4M3 values), else blocked (XLA:GPU expands
+    ragged_dot densely too); ragged_dot on other devices."""
     if grouped_matmul != "auto":
         return grouped_matmul
     if mesh_platform() == "cpu":
         return "blocked"
     if tokamax_ops.nvidia_gpu():
-        return "tokamax" if jnp.dtype(dtype) in tokamax_ops.DTYPES and fp8 == "none" else "blocked"
+        return "tokamax" if jnp.dtype(dtype) in tokamax_ops.DTYPES else "blocked"
     return "ragged_dot"
 
 

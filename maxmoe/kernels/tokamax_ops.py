@@ -47,9 +47,9 @@ def nvidia_gpu(device=None) -> bool:
     return device.platform == "gpu" and "NVIDIA" in getattr(device, "device_kind", "")
 
 
-def refusal(dtype, fp8: str = "none") -> str:
+def refusal(dtype) -> str:
     """"" when the tokamax kernels take this step on the mesh's devices, else one line why not:
-    not an NVIDIA GPU, operands not bfloat16/float16, precision.fp8 on, or no tokamax here."""
+    not an NVIDIA GPU, operands not bfloat16/float16, or no tokamax here."""
     device = mesh_device()
     if not nvidia_gpu(device):
         return (f"tokamax's Mosaic GPU kernels run on NVIDIA GPUs; this step is compiled for "
@@ -57,16 +57,14 @@ def refusal(dtype, fp8: str = "none") -> str:
     if jnp.dtype(dtype) not in DTYPES:
         return (f"tokamax's Mosaic GPU kernels take bfloat16/float16 operands, not "
                 f"{jnp.dtype(dtype).name} (precision.compute_dtype)")
-    if fp8 != "none":
-        return f"maxmoe's tokamax grouped GEMM does not take precision.fp8={fp8} yet"
     return "" if importlib.util.find_spec("tokamax") else f"tokamax is not installed: {INSTALL}"
 
 
-def require(what: str, dtype, fp8: str = "none") -> None:
+def require(what: str, dtype) -> None:
     """Raises ConfigError `what: refusal(...)` unless the tokamax kernels take the step, or
     when jax's default device, which tokamax reads, is not an NVIDIA GPU (a deviceless
     lowering outside kernel_device)."""
-    why = refusal(dtype, fp8)
+    why = refusal(dtype)
     default = jax.extend.backend.get_default_device()
     if not why and not nvidia_gpu(default):
         why = (f"tokamax picks its kernels from jax's default device, here {default.platform}: "
@@ -125,26 +123,43 @@ def ragged_dot(x, w, sizes):
     """jax.lax.ragged_dot(x [M, K], w [G, K, N], sizes [G] int32) -> [M, N] in x's dtype (rows
     of group g times w[g]; rows from sum(sizes) on are 0), as tokamax's Mosaic GPU grouped GEMM:
     the forward, the input gradient and the weight gradient (M the ragged contracting
-    dimension) are each one grouped kernel, with no dense [G, M, ...] expansion. The kernels
-    leave rows outside the groups unwritten (tokamax's zero_initialize is TPU-only), so they
-    are zeroed here, in the forward and in the input gradient. Traced for an NVIDIA GPU only
+    dimension) are each one grouped kernel (grouped_forward, grouped_input_grad,
+    grouped_weight_grad), with no dense [G, M, ...] expansion. Traced for an NVIDIA GPU only
     (kernel_device in a deviceless compile); ConfigError where the kernel does not apply."""
-    return _ragged_fwd(x, w, sizes)[0]
+    return grouped_forward(x, w, sizes)
+
+
+def grouped_forward(x, w, sizes):
+    """x [M, K] . w [G, K, N] -> [M, N] in x's dtype, one Mosaic kernel. The kernels leave
+    rows outside the groups unwritten (tokamax's zero_initialize is TPU-only), so they are
+    zeroed here (and in grouped_input_grad): lax.ragged_dot gives 0 there."""
+    return jnp.where(_rows_in_groups(x, sizes), _ragged(x, w, sizes, _FORWARD, "forward"), 0)
+
+
+def grouped_input_grad(g, w, sizes):
+    """g [M, N] . w [G, K, N]^T -> [M, K] in g's dtype, rows outside the groups 0: one kernel."""
+    inside = _rows_in_groups(g, sizes)
+    g = jnp.where(inside, g, 0)
+    return jnp.where(inside, _ragged(g, w, sizes, _INPUT_GRAD, "input gradient"), 0)
+
+
+def grouped_weight_grad(x, g, sizes):
+    """x [M, K]^T g [M, N] per group -> [G, K, N] in x's dtype: one kernel over M, the ragged
+    contracting dimension; g's rows outside the groups are zeroed first (the kernel masks x's
+    rows only, and 0 * inf would be NaN)."""
+    g = jnp.where(_rows_in_groups(g, sizes), g, 0)
+    return _ragged(x, g, sizes, _WEIGHT_GRAD, "weight gradient")
 
 
 def _ragged_fwd(x, w, sizes):
-    inside = _rows_in_groups(x, sizes)
-    out = _ragged(x, w, sizes, _FORWARD, "forward")
-    return jnp.where(inside, out, 0), (x, w, sizes)
+    return grouped_forward(x, w, sizes), (x, w, sizes)
 
 
 def _ragged_bwd(res, g):
     x, w, sizes = res
-    inside = _rows_in_groups(x, sizes)
-    g = jnp.where(inside, g, 0).astype(x.dtype)
-    dx = jnp.where(inside, _ragged(g, w, sizes, _INPUT_GRAD, "input gradient"), 0)
-    dw = _ragged(x, g, sizes, _WEIGHT_GRAD, "weight gradient").astype(w.dtype)
-    return dx, dw, None
+    g = g.astype(x.dtype)
+    dx = grouped_input_grad(g, w, sizes)
+    return dx, grouped_weight_grad(x, g, sizes).astype(w.dtype), None
 
 
 ragged_dot.defvjp(_ragged_fwd, _ragged_bwd)

@@ -213,7 +213,7 @@ class AllToAll(Dispatcher):
         cap = max(1, math.ceil(cfg.transport_buffer_factor * t * k / n))
         route = Route(axes=shards.gathered, group=n, k=k, num_local=num_local, cap=cap,
                       ragged=self.ragged,
-                      grouped_matmul=resolve_kernel(cfg.grouped_matmul, x.dtype, self.fp8),
+                      grouped_matmul=resolve_kernel(cfg.grouped_matmul, x.dtype),
                       block_size=cfg.block_size,
                       rounds=cfg.transport_rounds or worst_rounds(t, k, num_local, cap),
                       fp8=self.fp8, amax=self.amax)

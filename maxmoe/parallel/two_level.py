@@ -69,7 +69,7 @@ class TwoLevel(Dispatcher):
         cfg, n, hosts = self.cfg, self.shards.group, self.hosts
         per_host = n // hosts
         common = dict(axes=self.shards.gathered, k=k, ragged=self.ragged,
-                      grouped_matmul=resolve_kernel(cfg.grouped_matmul, dtype, self.fp8),
+                      grouped_matmul=resolve_kernel(cfg.grouped_matmul, dtype),
                       block_size=cfg.block_size, fp8=self.fp8, amax=self.amax)
         across = Route(group=hosts, num_local=per_host * num_local, cap=t,
                        groups=tuple(tuple(h * per_host + j for h in range(hosts))

@@ -6,8 +6,8 @@ Each compile takes about a minute on 2 cores.
 
 Layouts: tiny (GQA, head dim 32) on 2 fsdp x 2 expert x 2 tensor; tiny DeepSeek-V3 with
 DeepSeek-V3's MLA head dims (q/k 192, v 128) on 2 data x 2 expert x 2 tensor, the expert axis
-across 2 hosts (so the all-to-all runs as ragged_all_to_all). Every while loop must have a
-known trip count (no host sync per trip). The checks are shown to fail on lax.ragged_dot, on
+across 2 hosts (so the all-to-all runs as ragged_all_to_all); tiny again with
+precision.fp8=blockwise. Every while loop must have a known trip count (no host sync per trip). The checks are shown to fail on lax.ragged_dot, on
 XLA attention at head dim 192 and on a loop bounded by an array.
 """
 
@@ -37,6 +37,7 @@ V3_192 = (["configs/tiny.yaml", "configs/models/tiny_deepseek_v3.yaml", BF16,
            "mesh.data=2", "mesh.fsdp=1", "mesh.expert=2", "mesh.tensor=2", "mesh.dcn_expert=2"],
           2)
 SHORTER = "model.num_layers=2"  # the failure cases: one MoE layer is enough
+FP8 = "precision.fp8=blockwise"
 
 
 def compiled_hlo(case, *overrides):
@@ -111,3 +112,22 @@ def test_trip_count_check_fires_on_a_data_dependent_loop():
     assert len(found) == 1 and "while" in found[0], found
     static = run(7)
     assert '"known_trip_count":{"n":"7"}' in static and unknown_trip_loops(static) == []
+
+
+def test_tiny_fp8_blockwise_projections_run_fp8_experts_dequantised():
+    """precision.fp8=blockwise (tiny, one dense and one MoE layer): the attention projections',
+    dense MLP's and shared experts' GEMMs take f8e4m3fn operands (XLA:GPU writes them as
+    Triton GEMM fusions here, no cuBLASLt FP8 custom call); the routed experts run docs/
+    gpu_aot.md's SM90 row: tokamax's Mosaic grouped kernels on dequantised bf16 operands, so
+    no FP8 dot there, the E4M3 rounding kept as reduce-precision ops, no dense expansion."""
+    # late: tools/ is not a package of maxmoe (tests/convert imports its helpers the same way)
+    from tools.fp8_hlo import fp8_counts
+    hlo, cfg, sizes = compiled_hlo(TINY, SHORTER, FP8)
+    assert cfg.precision.fp8 == "blockwise" and problems(hlo, cfg, sizes) == []
+    for part in ("attention/projection", "/mlp/", "moe/shared_experts"):
+        counts = fp8_counts(hlo, part)
+        assert counts["f8_dots"] == counts["dots"] > 0, (part, counts)
+    experts = fp8_counts(hlo, "grouped_matmul")
+    assert experts["f8_dots"] == experts["f8_ragged_dots"] == 0, experts
+    assert any("reduce-precision(" in line and "grouped_matmul" in line
+               for line in hlo.splitlines())
