@@ -48,6 +48,11 @@ from maxmoe.plan.hlo import (
 from maxmoe.plan.scatter import scattered_parts, use_index
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+# a while in the rounds scope: op_name ".../exchange_rounds/while", or with the custom_vjp's
+# eval_jaxpr between them (".../exchange_rounds/eval_jaxpr/while"), as XLA:GPU writes both
+_ROUNDS_LOOP = re.compile(rf'op_name="[^"]*/{ROUNDS_SCOPE}/(?:eval_jaxpr/)*while"')
+
 _OPCODE_KIND = {k: k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
 
 Bytes = dict[tuple[str, str], np.ndarray]  # (axis label, kind) -> [ici, dcn]
@@ -265,7 +270,7 @@ def _walk(ctx: _Context, warnings: list[str]):
                 trip = known_trip_count(ins)
                 inner = sum(v.sum() for b in subs for v in b.values())
                 if trip is not None:  # the rounds loop: once (module docstring)
-                    times = 1.0 if f'/{ROUNDS_SCOPE}/while"' in ins.attrs else float(trip)
+                    times = 1.0 if _ROUNDS_LOOP.search(ins.attrs) else float(trip)
                 elif inner > 0:
                     warnings.append(f"while {ins.name}: no known trip count, its collectives "
                                     f"({inner:.4g} bytes per iteration) counted once")
