@@ -126,6 +126,7 @@ def test_gpu_form_lowers_with_ragged_all_to_all():
     assert "ragged_all_to_all" not in dense and "all_to_all" in dense
 
 
+@pytest.mark.gpu_aot
 def test_gpu_form_compiles_for_gpu_without_a_device():
     """Deviceless XLA:GPU compile of the transport's forward and backward (the venv with
     jax[cuda12], docs/gpu_aot.md; skipped without the plugin): ragged-all-to-all in the HLO,

@@ -89,6 +89,7 @@ def test_gpu_form_lowers_with_grouped_ragged_all_to_all():
     assert "ragged_all_to_all" not in dense and "all_to_all" in dense
 
 
+@pytest.mark.gpu_aot
 @pytest.mark.parametrize("kernel", ["blocked", "ragged_dot"])
 def test_gpu_form_compiles_for_gpu_without_a_device(kernel):
     """Deviceless XLA:GPU compile of both hops, forward and backward (the venv with
