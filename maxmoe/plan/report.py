@@ -9,7 +9,14 @@ import yaml
 
 from maxmoe.cluster import Cluster
 from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config
-from maxmoe.plan.roofline import checkpoint, compute_peak, cost, step_time, throughput
+from maxmoe.plan.roofline import (
+    checkpoint,
+    compute_peak,
+    cost,
+    link_bytes,
+    step_time,
+    throughput,
+)
 
 GIB = 2.0**30
 
@@ -50,6 +57,11 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
         "step_time_parts_s": {"compute": step.compute_s, "ici": step.ici_s, "dcn": step.dcn_s,
                               "exposed_communication": step.exposed_comm_s,
                               "pipeline_bubble": step.bubble_s},
+        # the same parts under their own keys (issue 41), and what the step moves and prices
+        "compute_s": step.compute_s, "exposed_communication_s": step.exposed_comm_s,
+        "bubble_s": step.bubble_s, "tokens_per_step": measured["tokens_per_step"],
+        "cross_host_bytes_per_device_per_step": link_bytes(comm)["dcn"],
+        "overlap_source": "assumed",  # roofline.COMM_OVERLAP, not read from a schedule
         "tokens_per_second": speed.tokens_per_s, "mfu": speed.mfu,
         "model_flops_fp8_per_step": measured.get("model_flops_fp8_per_step", 0.0),
         "mfu_peak_flops_per_device": peak,  # bf16, or the FP8 step's effective peak

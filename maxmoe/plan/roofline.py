@@ -95,7 +95,7 @@ class StepTime:
     ici_s: float  # bytes one device sends inside its host / ici_bandwidth
     dcn_s: float  # bytes one device sends across hosts / dcn_bandwidth
     exposed_comm_s: float  # ici_s + dcn_s less what overlaps compute
-    bubble_s: float  # pipeline bubble: bubble_fraction x compute_s
+    bubble_s: float  # pipeline bubble: idle / (1 - idle) x compute_s (step_time)
     step_s: float
 
 
@@ -137,23 +137,26 @@ def link_bytes(collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]]
 
 def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
               collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]],
-              bubble_fraction: float, *, efficiency: float = COMPUTE_EFFICIENCY,
+              idle_fraction: float, *, efficiency: float = COMPUTE_EFFICIENCY,
               overlap: float = COMM_OVERLAP, peak: float | None = None) -> StepTime:
     """Roofline step time of `devices` devices of `cluster` for a step of
     `model_flops_per_step` FLOPs (all devices together): compute at `efficiency` x `peak`
     (default the dense bf16 peak; compute_peak gives both for an FP8 step); each link class's
     bytes (link_bytes) over its bandwidth, the two classes in series; `overlap` of that hidden
-    under compute; the pipeline bubble adds `bubble_fraction` x compute (e.g. (stages - 1) /
-    micro-batches for 1F1B)."""
-    if devices < 1 or not 0 < efficiency <= 1 or not 0 <= overlap <= 1 or bubble_fraction < 0:
+    under compute. `idle_fraction` f is the share of the pipelined step a stage idles
+    (model.spec.pipeline_idle: (P-1) / (V M + P-1) with padding): busy for the compute, idle
+    for f of the total, so the bubble adds f / (1 - f) x compute (P = M = 16: 0.94x, not the
+    0.48x that f x compute gave)."""
+    if devices < 1 or not 0 < efficiency <= 1 or not 0 <= overlap <= 1 \
+            or not 0 <= idle_fraction < 1:
         raise ValueError(f"step_time: devices={devices}, efficiency={efficiency}, "
-                         f"overlap={overlap}, bubble_fraction={bubble_fraction} out of range")
+                         f"overlap={overlap}, idle_fraction={idle_fraction} out of range")
     peak = cluster.peak_bf16_flops if peak is None else peak
     compute = model_flops_per_step / (devices * peak * efficiency)
     sent = link_bytes(collective_bytes)
     ici, dcn = sent["ici"] / cluster.ici_bandwidth, sent["dcn"] / cluster.dcn_bandwidth
     exposed = (ici + dcn) - min(overlap * (ici + dcn), compute)
-    bubble = bubble_fraction * compute
+    bubble = idle_fraction / (1 - idle_fraction) * compute
     return StepTime(compute_s=compute, ici_s=ici, dcn_s=dcn, exposed_comm_s=exposed,
                     bubble_s=bubble, step_s=compute + exposed + bubble)
 

@@ -189,6 +189,12 @@ def test_plan_search_small_preset_on_64_devices_end_to_end(tmp_path, capsys):
                 "device_hours_per_trillion_tokens", "cost_usd"):
         assert key in best
     assert best["peak_bytes_per_device"] <= 0.8 * best["device_memory_bytes"]
+    # the step's parts under their own keys add up to it; bytes across hosts are the dcn column
+    parts = best["compute_s"] + best["exposed_communication_s"] + best["bubble_s"]
+    assert parts == pytest.approx(best["step_time_s"])
+    assert best["cross_host_bytes_per_device_per_step"] == pytest.approx(sum(
+        k["dcn"] for kinds in best["collective_bytes_per_step"].values() for k in kinds.values()))
+    assert best["tokens_per_step"] == 64 * 128 and best["overlap_source"] == "assumed"
     check = best["flops_check"]  # compiled vs model FLOPs; XLA:CPU's blocked stand-in has
     assert check["compiled_flops_per_device"] > 0  # data-dependent block loops: not judged
     assert (check["verdict"], check["flag"]) == ("not judged", None), check

@@ -62,12 +62,18 @@ def test_overlap_hides_a_fraction_of_comm_but_never_more_than_compute():
     assert full.exposed_comm_s == pytest.approx(0.0) and full.step_s == full.compute_s
 
 
-def test_bubble_adds_its_fraction_of_compute():
-    stages, microbatches = 4, 12
-    bubble = (stages - 1) / microbatches
-    t = step_time(6.4e13, 16, TOY, {}, bubble, efficiency=0.5)
-    assert t.bubble_s == pytest.approx(bubble * t.compute_s)
-    assert t.step_s == pytest.approx((1 + bubble) * t.compute_s)
+def test_bubble_is_the_idle_share_of_the_whole_step():
+    """A stage idles f = (P-1) / (M+P-1) of the pipelined step (1F1B) and computes the rest, so
+    step = compute / (1 - f): at P = M = 16 the bubble adds 15/16 = 0.94x compute (f x compute
+    would be 0.48x)."""
+    stages = microbatches = 16
+    idle = (stages - 1) / (microbatches + stages - 1)
+    t = step_time(6.4e13, 16, TOY, {}, idle, efficiency=0.5)
+    assert t.bubble_s == pytest.approx(15 / 16 * t.compute_s)
+    assert t.step_s == pytest.approx(t.compute_s / (1 - idle))
+    assert (t.step_s - t.bubble_s) / t.step_s == pytest.approx(1 - idle)  # busy share
+    with pytest.raises(ValueError, match="idle_fraction"):
+        step_time(6.4e13, 16, TOY, {}, 1.0)
 
 
 def test_throughput_and_mfu_definitions():
