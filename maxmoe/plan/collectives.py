@@ -49,9 +49,11 @@ from maxmoe.plan.scatter import scattered_parts, use_index
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-# a while in the rounds scope: op_name ".../exchange_rounds/while", or with the custom_vjp's
-# eval_jaxpr between them (".../exchange_rounds/eval_jaxpr/while"), as XLA:GPU writes both
-_ROUNDS_LOOP = re.compile(rf'op_name="[^"]*/{ROUNDS_SCOPE}/(?:eval_jaxpr/)*while"')
+# the rounds loop itself: op_name ".../exchange_rounds/while", or with the custom_vjp's call
+# between them (".../exchange_rounds/eval_jaxpr/while" from XLA:GPU, ".../closed_call/while"
+# from XLA:CPU); loops inside its body (".../while/body/...") are not it
+_ROUNDS_LOOP = re.compile(
+    rf'op_name="[^"]*/{ROUNDS_SCOPE}/(?:(?:eval_jaxpr|closed_call)/)*while"')
 
 _OPCODE_KIND = {k: k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
 

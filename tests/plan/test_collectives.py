@@ -156,9 +156,10 @@ def test_trip_counts_unknown_loops_and_conditionals_on_literal_hlo():
     assert "y" in summarize(result) and "warning: while w2" in summarize(result)
 
 
-# op_names XLA:GPU gave the rounds loops of tiny DeepSeek-V3's train step (forward, its remat
-# in the backward, and the backward's own loop)
+# op_names XLA:GPU (the first three) and XLA:CPU (the last) gave the rounds loops of tiny
+# DeepSeek-V3's train step (forward, its remat in the backward, and the backward's own loop)
 ROUNDS_OP_NAMES = [
+    "jit(train_step)/jvp()/while/body/closed_call/moe/shard_map/exchange_rounds/closed_call/while",
     "jit(train_step)/jvp(moe)/shard_map/exchange_rounds/while",
     "jit(train_step)/jvp()/while/body/eval_jaxpr/moe/shard_map/exchange_rounds/eval_jaxpr/while",
     "jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/checkpoint/moe/shard_map/"
@@ -179,6 +180,19 @@ def test_all_to_all_rounds_loop_counts_once(op_name):
     assert result.by_axis["y"]["all-reduce"]["ici"] == pytest.approx(2 * 1024, rel=1e-9)
     assert len(result.warnings) == 1 and "w2" in result.warnings[0]  # w1's count is known
 
+
+
+def test_a_loop_inside_the_rounds_body_counts_its_trips():
+    """A loop nested in the rounds loop's body (the blocked kernel's, on XLA:CPU) is not the
+    rounds loop: its collectives count trip-count times."""
+    mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    nested = ("jit(train_step)/jvp(moe)/shard_map/exchange_rounds/while/body/closed_call/"
+              "grouped_matmul/while")
+    text = LITERAL.replace('body=%body, backend_config={"known_trip_count"',
+                           f'body=%body, metadata={{op_name="{nested}"}}, '
+                           'backend_config={"known_trip_count"')
+    result = collective_bytes(text, mesh, devices_per_host=8)
+    assert result.by_axis["y"]["all-reduce"]["ici"] == pytest.approx(8 * 1024, rel=1e-9)
 
 @pytest.mark.slow
 def test_tiny_train_step_on_fsdp_expert_tensor():
