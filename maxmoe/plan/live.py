@@ -138,4 +138,5 @@ def unknown_kind_line(figures: dict) -> str:
                f"{limit / GIB:.1f} GiB")
     return (f"  {verdict}; step time and cost: device kind {kind!r} is unknown; add "
             f"configs/devices/{kind_slug(kind)}.yaml (copy configs/devices/h200.yaml and its "
-            "sources) or pass --cluster COUNTxKIND of a known kind")
+            f"sources, with device_name: \"{kind}\") or pass --cluster COUNTxKIND of a known "
+            "kind")

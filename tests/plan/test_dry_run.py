@@ -97,3 +97,4 @@ def test_an_unknown_kind_keeps_its_memory_figures_and_says_how_to_add_it(monkeyp
     line = live.unknown_kind_line(figures)
     assert "does NOT fit the allocator's 80.0 GiB" in line, line
     assert "configs/devices/nvidia_l40s.yaml" in line, line
+    assert 'device_name: "NVIDIA L40S"' in line, line  # how a job's devices find the file
