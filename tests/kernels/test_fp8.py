@@ -248,18 +248,25 @@ def test_fp8_ragged_dot_equals_fp8_dot_per_expert(mode):
             assert cos > 0.998 and rel < 0.06, (cos, rel)
 
 
+def unaligned_groups(seed: int):
+    """(sizes, live, x [384, 192], g [384, 160], w [4, 192, 160]): groups of 100, 0, 156, 40
+    rows (296 live, `live` [384, 1]), K 192 and N 160 (partial 128-blocks), and the 88 rows past
+    the groups 2^12 times larger (other shards' rows, which must count in no amax)."""
+    kx, kw, kg = jax.random.split(jax.random.key(seed), 3)
+    sizes = jnp.array([100, 0, 156, 40], jnp.int32)
+    live = jnp.arange(384)[:, None] < 296
+    x = jax.random.normal(kx, (384, 192)) * jnp.where(live, 1.0, 2.0 ** 12)
+    g = jax.random.normal(kg, (384, 160)) * jnp.where(live, 1.0, 2.0 ** 12)
+    return sizes, live, x, g, jax.random.normal(kw, (4, 192, 160)) * 0.1
+
+
 @pytest.mark.parametrize("mode", ["tensorwise", "blockwise"])
 def test_fp8_ragged_weight_grad_tiles_follow_groups_and_skip_other_rows(mode):
     """Unaligned groups (100, 0, 156, 40 rows of 384) and 88 rows past them (other shards' rows,
     2^12 times larger): the weight gradient equals (exactly) the one with those rows zeroed, so
     they count in no 128x1 tile's amax; blockwise, it also equals per-expert fp8_dot (rtol 1e-5):
     the token tiles start at each expert's first row and never span two experts."""
-    kx, kw, kg = jax.random.split(jax.random.key(12), 3)
-    sizes = jnp.array([100, 0, 156, 40], jnp.int32)
-    live = jnp.arange(384)[:, None] < 296
-    x = jax.random.normal(kx, (384, 192)) * jnp.where(live, 1.0, 2.0 ** 12)
-    g = jax.random.normal(kg, (384, 160)) * jnp.where(live, 1.0, 2.0 ** 12)
-    w = jax.random.normal(kw, (4, 192, 160)) * 0.1
+    sizes, live, x, g, w = unaligned_groups(12)
 
     def dw(x, g):
         return jax.vjp(lambda b: fp8_ragged_dot(x, b, sizes, mode), w)[1](g)[0]

@@ -19,6 +19,7 @@ from maxmoe.kernels.attention import attention_core, resolve_implementation
 from maxmoe.kernels.fp8_ragged import dequantised_ragged_dot, fp8_ragged_dot
 from maxmoe.kernels.grouped_matmul import dropless_local, resolve_kernel
 from maxmoe.sharding import make_mesh, use_mesh
+from tests.kernels.test_fp8 import unaligned_groups
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -154,12 +155,7 @@ def test_dequantised_ragged_dot_is_the_fp8_recipe_in_three_grouped_calls(fake, m
     Values and both gradients equal fp8_ragged_dot's (the same E4M3 scales and tiles; rtol
     1e-5, atol 1e-5 x max), are within FP8 error of the float32 lax.ragged_dot autodiff
     (relative Frobenius error < 0.06), and run as three grouped calls, one per GEMM."""
-    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
-    sizes = jnp.array([100, 0, 156, 40], jnp.int32)
-    live = jnp.arange(384)[:, None] < 296
-    x = jax.random.normal(kx, (384, 192)) * jnp.where(live, 1.0, 2.0 ** 12)
-    g = jax.random.normal(kg, (384, 160)) * jnp.where(live, 1.0, 2.0 ** 12)
-    w = jax.random.normal(kw, (4, 192, 160)) * 0.1
+    sizes, live, x, g, w = unaligned_groups(3)
     got = _value_and_grads(lambda a, b: dequantised_ragged_dot(a, b, sizes, mode), x, w, g)
     recipe = _value_and_grads(lambda a, b: fp8_ragged_dot(a, b, sizes, mode), x, w, g)
     exact = _value_and_grads(lambda a, b: jax.lax.ragged_dot(a, b, sizes), x * live, w, g * live)
