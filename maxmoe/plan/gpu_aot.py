@@ -21,6 +21,7 @@ from jax.experimental import topologies
 from maxmoe.bench import memory_analysis
 from maxmoe.cluster import gpu_target, known_kinds
 from maxmoe.config import ConfigError
+from maxmoe.plan.hlo import attr, known_trip_count, parse_instruction
 
 # Per-SM limits of the SM90 (Hopper) and SM100 (Blackwell) targets: the same figures in XLA's own
 # h100_sxm, h200 and b200 specs (openxla/xla xla/backends/gpu/target_config/specs/): 228 KiB
@@ -166,18 +167,16 @@ def score_matrices(hlo_text: str, seq_len: int) -> list[str]:
     return sorted(found)
 
 
-_WHILE = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*\bwhile\(")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-
-
 def unknown_trip_loops(hlo_text: str) -> list[str]:
     """The while loops in compiled XLA:GPU HLO without a known trip count: "name (op_name)"
     each. XLA:GPU writes "known_trip_count" in a while's backend_config when it proves the
-    count; without it, every iteration copies the loop predicate to the host and waits."""
+    count (plan/hlo.known_trip_count); without it, every iteration copies the loop predicate
+    to the host and waits."""
     found = []
     for line in hlo_text.splitlines():
-        m = _WHILE.match(line)
-        if m and '"known_trip_count"' not in line:
-            op = _OP_NAME.search(line)
-            found.append(f"{m.group(1)} ({op.group(1) if op else 'no op_name'})")
+        ins = parse_instruction(line)
+        if ins is not None and ins.opcode == "while" and known_trip_count(ins) is None:
+            op = attr(ins.attrs, "metadata") or ""
+            name = re.search(r'op_name="([^"]*)"', op)
+            found.append(f"{ins.name} ({name.group(1) if name else 'no op_name'})")
     return sorted(found)
