@@ -244,6 +244,17 @@ def gpu_target(kind: str) -> dict | None:
     return out
 
 
+def _check_sources(given: dict, origin: str) -> None:
+    """A kernel-efficiency figure and its `_source` come together in `given` (a kind file's
+    fields or a cluster file's overrides); ConfigError naming the missing one otherwise."""
+    for key in EFFICIENCY_FIELDS:
+        source = f"{key}_source"
+        if (key in given) != (source in given):
+            missing, present = (key, source) if key not in given else (source, key)
+            fail(missing, None, origin, f"missing beside {present}",
+                 f"give {key} and {source} together (the figure and where it was published)")
+
+
 def _build(name: str, devices: int, kind: str, overrides: dict, where: str,
            cluster_file: str = "") -> Cluster:
     """The cluster of `devices` devices of `kind` with `overrides` (from `cluster_file`, if
@@ -256,12 +267,8 @@ def _build(name: str, devices: int, kind: str, overrides: dict, where: str,
                           f"devices_per_host={per_host} (nor a part of one host); use a multiple "
                           f"of {per_host}")
     origin = f"{cluster_file} + {kind_path}" if cluster_file else str(kind_path)
-    for key in EFFICIENCY_FIELDS:  # a figure without its source (or the reverse) is refused
-        if (key in fields) != (f"{key}_source" in fields):
-            missing, given = ((key, f"{key}_source") if key not in fields
-                              else (f"{key}_source", key))
-            fail(missing, None, origin, f"missing beside {given}",
-                 f"give {key} and {key}_source together (the figure and where it was published)")
+    _check_sources(overrides, origin)  # a cluster file's own figures, then the merged ones
+    _check_sources(fields, origin)
     return Cluster(name=name, devices=devices, origin=origin, **fields)
 
 
