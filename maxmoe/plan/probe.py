@@ -35,12 +35,13 @@ from maxmoe.bench import memory_analysis
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.kernels.tokamax_ops import kernel_device
-from maxmoe.metrics.flops import fp8_params_per_token
+from maxmoe.metrics.flops import flops_by_kernel, fp8_params_per_token
 from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.compiled_flops import flops_check
 from maxmoe.plan.hlo import dtype_bytes
+from maxmoe.plan.search import routed_dispatch_bytes
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
 from maxmoe.validation import validate
@@ -252,6 +253,12 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
                                    cfg.model.remat_policy),
         # the FP8 class's share (metrics.flops.MFU_CONVENTION; 0 with precision.fp8 none)
         "model_flops_fp8_per_step": 6.0 * fp8_params_per_token(cfg) * setup.tokens_per_step,
+        # the same FLOPs by the kernel class that prices them (plan/roofline.price_compute)
+        "model_flops_by_kernel_per_step": {k: f * setup.tokens_per_step
+                                           for k, f in flops_by_kernel(cfg).items()},
+        # the expert dispatch + combine as balanced routing sends them (None: not all_to_all)
+        "routed_dispatch_bytes": routed_dispatch_bytes(cfg, sizes, {
+            a: mesh[f"dcn_{a}"] for a in sizes}),
         "tokens_per_step": setup.tokens_per_step,
         "bubble": pipeline_idle(cfg.model, sizes["pipeline"]),  # with chunk padding
     }

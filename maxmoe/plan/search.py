@@ -19,13 +19,19 @@ import numpy as np
 
 from maxmoe.cluster import Cluster
 from maxmoe.config import MESH_AXES, Config, ConfigError
-from maxmoe.metrics.flops import flops_per_token, fp8_params_per_token
+from maxmoe.metrics.flops import flops_by_kernel, flops_per_token
 from maxmoe.model.spec import layer_groups, pipeline_idle
 from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
 from maxmoe.parallel.schedule import pipeline_schedule
+from maxmoe.plan.compiled_flops import FULL_RECOMPUTE
 from maxmoe.plan.estimate import state_bytes
-from maxmoe.plan.roofline import compute_peak, step_time
+from maxmoe.plan.roofline import (
+    DEFAULT_LOAD_IMBALANCE,
+    price_compute,
+    routed_all_to_all_bytes,
+    step_time,
+)
 from maxmoe.validation import shards, stage_batch_shards, validate
 
 # host split orders: which axes fill a host first (tensor must stay inside one)
@@ -213,6 +219,33 @@ def moe_rows(cfg: Config, layout: Layout, t: float) -> float:
     return e.transport_buffer_factor * t * e.experts_per_token
 
 
+# exchanges of the T K assignment rows per MoE layer by the all_to_all transport: dispatch and
+# combine forward; its rounds' custom VJP re-sends both, then the two gradient exchanges
+# (parallel/all_to_all.py). Remat adds none: the compiled all-to-all bytes of configs/tiny.yaml
+# at expert 8 are the same under remat none and full, 6.0 x c T K D rows x 3 MoE layers.
+ALL_TO_ALL_EXCHANGES = 6
+
+
+def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int]
+                          ) -> dict[str, float] | None:
+    """roofline.routed_all_to_all_bytes of the layout (`sizes`, its DCN factors `dcn`): the
+    {"ici", "dcn"} bytes one device's expert dispatch and combine send per step under balanced
+    routing, for the all_to_all transport; None for the other transports (their compiled bytes
+    are what they send) or an expert axis of 1. The tokens are a device's stage batch shard;
+    the MTP depths count as stack layers (exact without a pipeline)."""
+    e, m, ep = cfg.moe, cfg.model, sizes["expert"]
+    if ep == 1 or e.dispatch == "capacity" or \
+            choose_transport(e, ep, dcn["expert"]) != "all_to_all":
+        return None
+    groups = layer_groups(m)
+    layers = (sum(n for is_moe, _, n in groups if is_moe) / sizes["pipeline"]
+              + (m.mtp_depth if groups[-1][0] else 0))
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len / stage_batch_shards(cfg, sizes)
+    return routed_all_to_all_bytes(tokens, e.experts_per_token, m.hidden_size,
+                                   compute_bytes(cfg), ep, ep // dcn["expert"],
+                                   ALL_TO_ALL_EXCHANGES, layers)
+
+
 def activation_bytes(cfg: Config, layout: Layout) -> float:
     """Modelled temporaries beyond the gradients: saved residuals of every layer, one MoE
     layer's received rows (`moe_rows`) and expert intermediates, the logits and the float32
@@ -256,7 +289,7 @@ def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
     """Modelled bytes one device sends per step, per axis, in collective_bytes' shape: ZeRO-3
     gathers of the stored parameters and gradient reduce-scatters (`gather_bytes`); MoE token
     traffic per MoE layer: all_gather's gathers and reduce-scatters (forward, remat, backward),
-    or all_to_all's exchanges of the c T K slots (two forward, two in the remat, four backward);
+    or all_to_all's routed_dispatch_bytes x DEFAULT_LOAD_IMBALANCE (the busiest shard's share);
     tensor all-reduces."""
     m, sizes = cfg.model, layout.sizes
     t = tokens_per_device(cfg, sizes, 1)
@@ -267,7 +300,9 @@ def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
     if transport(cfg, layout) == "all_gather":
         tokens = 3 * (ep - 1) * t * m.hidden_size * (width + 4) * moe_layers
     else:
-        tokens = 8 * (ep - 1) / ep * moe_rows(cfg, layout, t) * m.hidden_size * width * moe_layers
+        routed = routed_dispatch_bytes(cfg, sizes, layout.dcn)
+        tokens = (sum(routed.values()) * DEFAULT_LOAD_IMBALANCE if routed else
+                  8 * (ep - 1) / ep * moe_rows(cfg, layout, t) * m.hidden_size * width * moe_layers)
     sent["expert"] = sent.get("expert", 0.0) + tokens
     sent["tensor"] = sent.get("tensor", 0.0) + (
         6 * 2 * (tp - 1) / tp * t * m.hidden_size * width * m.num_layers)
@@ -288,12 +323,14 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
              // shards(cfg, layout.sizes, "batch"))
     peak = state.total + batch + temporaries
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
-    flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
     bubble = pipeline_idle(cfg.model, layout.sizes["pipeline"])  # with chunk padding
-    flop_peak, efficiency = compute_peak(flops, 6.0 * fp8_params_per_token(cfg) * tokens,
-                                         cluster)
-    step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state), bubble,
-                     efficiency=efficiency, peak=flop_peak)
+    price = price_compute({k: f * tokens for k, f in flops_by_kernel(cfg).items()},
+                          cluster.devices, cluster,
+                          imbalance=DEFAULT_LOAD_IMBALANCE if layout.sizes["expert"] > 1 else 1.0,
+                          recompute=1.0 if layout.remat == "none" else FULL_RECOMPUTE)
+    step = step_time(flops_per_token(cfg) * tokens, cluster.devices, cluster,
+                     comm_bytes(cfg, layout, state), bubble, efficiency=price.efficiency,
+                     peak=price.peak)
     return Estimate(layout, state.total, temporaries, peak, step.step_s,
                     peak <= cluster.usable_bytes)
 
