@@ -138,7 +138,8 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
     cost. `title` heads them (the dry run's figures are its own layout's, on real devices)."""
     m = best["memory_by_part"]
     say = lambda text: print(text, file=out)  # noqa: E731
-    say(f"\n{title}: {mesh_text(best['mesh'])}, remat {best['remat']}, "
+    say(f"\n{title}: {mesh_text(best['mesh'])}, weights {best.get('weights', 'zero3')}, "
+        f"remat {best['remat']}, "
         f"{best['microbatches']} microbatch(es); compiled in {best['compile_s']} s "
         f"({best['wall_s']} s with its process)")
     if best.get("compiler") == "gpu" or best["stand_ins"]:  # a dry run compiles the real kernels

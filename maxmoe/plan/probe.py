@@ -236,6 +236,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
     return {
         "devices": devices, "hosts": math.prod(mesh[f"dcn_{a}"] for a in sizes), "mesh": mesh,
         "remat": cfg.model.remat_policy, "microbatches": cfg.train.grad_accum_steps,
+        "weights": cfg.mesh.weights,
         "memory": memory_analysis(compiled),
         "state": parts,
         "state_global_bytes": sum(math.prod(a.shape) * a.dtype.itemsize

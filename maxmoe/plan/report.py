@@ -84,7 +84,7 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
     ckpt_bytes, ckpt_s = checkpoint(measured["state_global_bytes"], cluster)
     return {
         "cluster": cluster.name, "mesh": measured["mesh"], "devices": devices,
-        "layout": measured.get("layout", []),
+        "layout": measured.get("layout", []), "weights": measured.get("weights", "zero3"),
         "peak_bytes_per_device": memory["peak_bytes"],
         "argument_bytes_per_device": memory["argument_bytes"],
         "device_memory_bytes": cluster.memory_bytes,

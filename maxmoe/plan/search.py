@@ -11,6 +11,7 @@ communication bytes counted per axis from the layout (compiled plans read them f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -39,6 +40,7 @@ HOST_ORDERS = (("tensor", "expert", "fsdp", "pipeline", "data"),
                ("tensor", "fsdp", "expert", "pipeline", "data"))
 REMAT_POLICIES = ("full", "save_named")
 MICROBATCHES = (1, 2, 4, 8)
+WEIGHTS = ("zero3", "zero1")  # mesh.weights; hsdp equals zero1 where no data axis stays in a host
 MAX_PIPELINE = 16
 
 
@@ -49,16 +51,17 @@ class Layout:
     dcn: dict[str, int]
     remat: str
     microbatches: int
+    weights: str = "zero3"  # mesh.weights
 
     def overrides(self) -> list[str]:
         """The KEY=VALUE overrides that select this layout."""
         mesh = [f"mesh.{a}={self.sizes[a]}" for a in MESH_AXES]
         dcn = [f"mesh.dcn_{a}={self.dcn[a]}" for a in MESH_AXES]
-        return [*mesh, *dcn, f"model.remat_policy={self.remat}",
-                f"train.grad_accum_steps={self.microbatches}"]
+        return [*mesh, *dcn, f"mesh.weights={self.weights}",
+                f"model.remat_policy={self.remat}", f"train.grad_accum_steps={self.microbatches}"]
 
     def apply(self, cfg: Config) -> Config:
-        mesh = dataclasses.replace(cfg.mesh, **self.sizes,
+        mesh = dataclasses.replace(cfg.mesh, **self.sizes, weights=self.weights,
                                    **{f"dcn_{a}": n for a, n in self.dcn.items()})
         return dataclasses.replace(
             cfg, mesh=mesh, model=dataclasses.replace(cfg.model, remat_policy=self.remat),
@@ -118,18 +121,17 @@ def layouts(cfg: Config, origins: dict[str, str], cluster: Cluster) -> list[Layo
             dcn = host_split(sizes, cluster.devices_per_host, order)
             if dcn is None or not group_limited_ok(cfg, dcn):
                 continue
-            for remat in REMAT_POLICIES:
-                for micro in MICROBATCHES:
-                    layout = Layout(sizes, dcn, remat, micro)
-                    key = str(layout)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    try:
-                        validate(layout.apply(cfg), cluster.devices, origins, cluster.hosts)
-                    except ConfigError:
-                        continue
-                    out.append(layout)
+            for remat, micro, weights in itertools.product(REMAT_POLICIES, MICROBATCHES,
+                                                           WEIGHTS):
+                layout = Layout(sizes, dcn, remat, micro, weights)
+                if str(layout) in seen:
+                    continue
+                seen.add(str(layout))
+                try:
+                    validate(layout.apply(cfg), cluster.devices, origins, cluster.hosts)
+                except ConfigError:
+                    continue
+                out.append(layout)
     return out
 
 
@@ -273,16 +275,18 @@ def activation_bytes(cfg: Config, layout: Layout) -> float:
 def gather_bytes(layout: Layout, gathered: dict[tuple[str, ...], int], width: int) -> dict:
     """Elements each device receives per step when compute all-gathers the parameters stored
     over extra axes (StateBytes.gathered), by axis: the gather over a group of axes runs
-    hierarchically, cross-host (DCN) axes first, where the pieces are smallest. Per
-    microbatch: a forward and a backward gather in the compute dtype and the gradient
-    reduce-scatter in float32."""
+    hierarchically, cross-host (DCN) axes first, where the pieces are smallest. zero3: per
+    microbatch, a forward and a backward gather in the compute dtype and the gradient
+    reduce-scatter in float32; zero1: once per step, the copy's gather and the gradients'
+    one reduction, both in the compute dtype."""
     per_axis: dict[str, float] = {}
     for axes, elements in gathered.items():
         running = elements
         for axis in sorted(axes, key=lambda a: layout.dcn[a] == 1):
             per_axis[axis] = per_axis.get(axis, 0.0) + (layout.sizes[axis] - 1) * running
             running *= layout.sizes[axis]
-    return {a: n * (2 * width + 4) * layout.microbatches for a, n in per_axis.items()}
+    per_step = (2 * width + 4) * layout.microbatches if layout.weights == "zero3" else 2 * width
+    return {a: n * per_step for a, n in per_axis.items()}
 
 
 def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
@@ -318,6 +322,8 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     """The analytic figures of one layout given its StateBytes."""
     act = activation_bytes(cfg, layout)
     temporaries = int(state.grads + act + UPDATE_COPIES * state.largest_param)
+    if layout.weights != "zero3":  # the compute copy and its float32 gradient sums
+        temporaries += int(state.copy_elements * (compute_bytes(cfg) + 4))
     batch_keys = 5  # tokens, targets, segment_ids, positions (int32), loss_mask (float32)
     batch = (cfg.data.global_batch_size * cfg.data.seq_len * 4 * batch_keys
              // shards(cfg, layout.sizes, "batch"))
