@@ -209,7 +209,8 @@ class PrecisionConfig:
     loss_scale_min: float = 1.0  # dynamic: an overflow at this scale stops the run
     # FP8 (E4M3) GEMMs of the attention projections, dense MLPs and shared / routed experts:
     # none | tensorwise (one current-scaled scale per tensor) | blockwise (DeepSeek-V3's 1x128
-    # / 128x128 tiles); kernels/fp8.py. Needs compute_dtype bfloat16 or float32
+    # / 128x128 tiles); kernels/fp8.py. Needs compute_dtype bfloat16 or float32. Either mode also
+    # sends the MoE dispatch's tokens in E4M3 1x128 tiles (DeepSeek-V3 3.3; combine in bf16)
     fp8: str = "none"
 
 

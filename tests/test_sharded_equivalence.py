@@ -19,7 +19,11 @@ its scales are per row (1x128) or per weight block, and every block lies on one 
 the routed experts 128 x tensor wide). Tensorwise: every scale is the whole tensor's amax,
 global under GSPMD (dense projections) and reduced over the shard_map's axes in the grouped
 experts (kernels/fp8.AmaxAxes). The gradients are not compared: the weight gradients' 128x1
-token tiles follow each layout's rows.
+token tiles follow each layout's rows. FP8 dispatch: wherever tokens travel to their experts
+(all_gather, all_to_all, capacity) they go as E4M3 1x128 tiles, and where they do not (one
+device) they are rounded in place the same way (kernels/fp8.e4m3_wire), so these rows stay
+exact up to float32 order; without the wire's rounding on the sharded side the tensorwise
+all_to_all row was 2.2e-6 off (blockwise 8.6e-8: its GEMM rounds the rows to the same values).
 
 Pipeline layouts split the batch into microbatches. Their runs keep every router loss on, at
 weights large enough to move the router gradients past the tolerance if a loss were formed per
@@ -119,7 +123,7 @@ MLA_LAYOUTS = {
 # all four axes at once need 2 x 2 x 2 x 2 = 16 devices: run in a process of its own
 SIXTEEN = ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"]
 REFERENCES = {"plain": [], "pipeline": PIPELINE, "drops": DROPS, "drops_by_weight": DROPS_BY_WEIGHT,
-              "pipeline_drops": PIPELINE + DROPS, "mla": MLA}
+              "pipeline_drops": PIPELINE + DROPS, "mla": MLA, "capacity": DISPATCH["capacity"]}
 # precision.fp8 over the layouts (float32 compute), against one device in the same mode: the
 # forward's loss and expert loads (module docstring, FP8). 2 layers (one dense, one MoE) cover
 # every FP8 projection: attention, dense MLP, shared and routed experts. Routed experts 256 wide
@@ -135,6 +139,15 @@ FP8_LAYOUTS = {  # name: (REFERENCES key of the model, layout, modes)
     # MLA: partial 128-blocks (rope key 8 wide, kv_a 16) under tensor sharding
     "mla_fsdp2_expert2_tensor2": ("mla", MLA_LAYOUTS["fsdp2_expert2_tensor2"],
                                   ("blockwise", "tensorwise")),
+    # FP8 dispatch (module docstring): the all-to-all transport's rounds (3 here) and capacity
+    # slots in E4M3 (the rows above send all_gather's). Tensorwise all_to_all at a buffer of
+    # one round: each round is a kernel call with its own scales, where one device has one
+    "expert8_all_to_all": ("plain", LAYOUTS["expert8"] + DISPATCH["all_to_all"],
+                           ("blockwise",)),
+    "expert8_all_to_all_one_round": ("plain", LAYOUTS["expert8"] + DISPATCH["all_to_all"]
+                                     + ["moe.transport_buffer_factor=4.0"], ("tensorwise",)),
+    "data2_fsdp2_expert2_capacity": ("capacity", LAYOUTS["data2_fsdp2_expert2"]
+                                     + DISPATCH["capacity"], ("blockwise", "tensorwise")),
 }
 # seen at most 8.6e-8 (both modes; tensorwise 3.6e-6 and 7.4e-5 on MLA while the grouped
 # experts scaled each kernel step's local rows); FP8 itself moves this loss by 7.0e-5

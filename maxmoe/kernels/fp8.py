@@ -118,6 +118,46 @@ def _tiled(x, tile, per_tile):
     return q.reshape(mb * r, nb * c)[:m, :n], scale
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def e4m3_wire(move, back, x: jax.Array, *args) -> jax.Array:
+    """Token rows x [..., D] sent over a collective in E4M3, DeepSeek-V3's FP8 dispatch (3.3):
+    quantised in 1x128 tiles (one float32 scale, amax / 448, per 128 elements of a row's D),
+    the float8_e4m3fn payload [..., D] and the scales [..., ceil(D / 128)] each moved by
+    move(a, *args) (a collective over the leading dims: an all-to-all, all-gather, ...),
+    dequantised into x.dtype on arrival: [moved ..., D]. move None: no collective, x rounded
+    in place the same way (round_trip, which XLA:GPU keeps), so a layout whose tokens do not
+    travel computes the same values as one whose tokens do.
+    Scales float32, not bfloat16: the blockwise expert GEMM requantises the arrived rows in
+    the same 1x128 tiles, and with the tile's own scale that gives back the same E4M3 values
+    (so FP8 dispatch adds no error there beyond one rounding of q * scale to x.dtype); a
+    bfloat16 scale would move every value of a tile by up to 2^-9. They cost 4 bytes per 128
+    of payload: the wire carries (1 + 4/128) / 2 of x's bytes in bfloat16.
+    Backward: straight-through (DeepSeek-V3: the combine and the gradients stay BF16): the
+    cotangent [moved ..., D] travels back by back(g, *args), move's transpose, unquantised in
+    its own dtype (x.dtype), and the rounding passes it to x unchanged. args: arrays move
+    reads (sizes, offsets), no gradient."""
+    if move is None:
+        return round_trip(x.reshape(-1, x.shape[-1]), (1, BLOCK)).astype(x.dtype).reshape(x.shape)
+    q, scale = quantize(x.reshape(-1, x.shape[-1]), (1, BLOCK))
+    q, scale = (move(a.reshape(*x.shape[:-1], -1), *args) for a in (q, scale))
+    flat = dequantize(q.reshape(-1, q.shape[-1]), scale.reshape(-1, scale.shape[-1]),
+                      (1, BLOCK), x.dtype)
+    return flat.reshape(q.shape)
+
+
+def _e4m3_wire_fwd(move, back, x, *args):
+    return e4m3_wire(move, back, x, *args), (args, jnp.zeros((0,), x.dtype))
+
+
+def _e4m3_wire_bwd(move, back, res, g):
+    args, dtype = res
+    g = g.astype(dtype.dtype)
+    return (g if back is None else back(g, *args), *(None for _ in args))
+
+
+e4m3_wire.defvjp(_e4m3_wire_fwd, _e4m3_wire_bwd)
+
+
 def expand_scale(scale: jax.Array, tile: tuple[int, int], shape: tuple[int, int]) -> jax.Array:
     """A [Mb, Nb] tile scale -> [M, N], each element its tile's scale."""
     full = jnp.repeat(jnp.repeat(scale, tile[0], axis=0), tile[1], axis=1)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxmoe.kernels.blocked_mlp import block_expert_mlp, block_expert_mlp_accumulate
-from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes
+from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes, e4m3_wire
 from maxmoe.kernels.grouped_matmul import _stable_argsort, blocked_rows, dropless_local
 
 # the name scope of the rounds loops (forward and backward): the planner counts their
@@ -64,7 +64,8 @@ class Route:
     block_size: int
     groups: tuple[tuple[int, ...], ...] | None = None
     rounds: int = 1  # the loop's static trip count (worst_rounds)
-    fp8: str = "none"  # precision.fp8 of the expert GEMMs (kernels/fp8.py)
+    fp8: str = "none"  # precision.fp8 of the expert GEMMs (kernels/fp8.py); not none: the
+    # dispatched rows travel in E4M3 (dispatch_slots)
     amax: AmaxAxes = NO_AXES  # the axes a tensorwise amax spans (each round scales apart)
 
     def member(self):
@@ -148,6 +149,26 @@ def _exchange_slots_bwd(route, res, g):
 exchange_slots.defvjp(_exchange_slots_fwd, _exchange_slots_bwd)
 
 
+def dispatch_slots(route: Route, buf, send_sizes, recv_sizes):
+    """exchange_slots of dispatched token rows buf [n, cap, D]: under route.fp8 (either mode)
+    as E4M3 1x128 tiles with float32 scales (kernels/fp8.e4m3_wire: DeepSeek-V3's FP8
+    dispatch; the gradient comes back unquantised, in buf's dtype), rounded in place where
+    nothing travels (no axes). The combine stays in the compute dtype (exchange_slots)."""
+    if route.fp8 == "none":
+        return exchange_slots(route, buf, send_sizes, recv_sizes)
+    move = functools.partial(_slots_there, route) if route.axes else None
+    back = functools.partial(_slots_back, route) if route.axes else None
+    return e4m3_wire(move, back, buf, send_sizes, recv_sizes)
+
+
+def _slots_there(route, buf, send_sizes, recv_sizes):
+    return move_slots(route, buf, send_sizes, recv_sizes, 0)
+
+
+def _slots_back(route, g, send_sizes, recv_sizes):
+    return move_slots(route, g, recv_sizes, send_sizes, 0)
+
+
 def _send(route: Route, r, x, order, starts, counts, recv_counts, local_id):
     """Round r's dispatch: the assignments of rank [r cap, (r+1) cap) within their (this
     device, destination) pair go to their destination. x [T, D]; order [T K] the assignments
@@ -163,7 +184,7 @@ def _send(route: Route, r, x, order, starts, counts, recv_counts, local_id):
     ids = jnp.where(valid, local_id[a], num_local)  # num_local: an empty slot
     send_sizes = jnp.clip(counts - r * cap, 0, cap)
     recv_sizes = jnp.clip(recv_counts - r * cap, 0, cap)
-    rows = exchange_slots(route, send, send_sizes, recv_sizes).reshape(n * cap, -1)
+    rows = dispatch_slots(route, send, send_sizes, recv_sizes).reshape(n * cap, -1)
     ids = move_slots(route, ids[..., None], send_sizes, recv_sizes, num_local).reshape(n * cap, 1)
     return valid, a, send_sizes, recv_sizes, rows, ids
 

@@ -12,13 +12,14 @@ computation, `capacity_slots` the slot ranking.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from maxmoe.config import MoEConfig
-from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes, fp8_dot
+from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes, e4m3_wire, fp8_dot
 from maxmoe.parallel.dispatch import Dispatched, Dispatcher, ExpertShards
 from maxmoe.sharding import current_mesh
 
@@ -64,7 +65,8 @@ def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConf
     Each sequence ranks its own assignments (capacity_slots) into capacity_for(seq_len) slots
     per expert; C = sequences x that. Returns ([T, D] float32, number of dropped assignments).
     fp8: precision.fp8 of the expert GEMMs (each expert's slots through kernels/fp8.fp8_dot;
-    tensorwise: one scale per expert's slot buffer, its amax reduced over amax's axes).
+    tensorwise: one scale per expert's slot buffer, its amax reduced over amax's axes); not
+    none: the slots travel in E4M3 (_dispatch), the results come back in x's dtype.
     """
     t, d = x.shape
     num_experts, k = cfg.num_experts, expert_idx.shape[-1]
@@ -79,8 +81,7 @@ def capacity_dispatch(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConf
         tok = jnp.broadcast_to(jnp.arange(t)[:, None], slot.shape)
         buf = jnp.zeros((num_experts, capacity, d), x.dtype)
         buf = buf.at[expert_idx, jnp.where(kept, slot, capacity)].set(x[tok], mode="drop")
-        if exchange is not None:
-            buf = exchange(buf, inverse=False)  # [E, C, D] -> [ep, El, C, D] received
+        buf = _dispatch(buf, exchange, fp8)  # [E, C, D] -> [ep, El, C, D] received
     with jax.named_scope("grouped_matmul"):
         h = jax.nn.silu(_per_expert(buf, w_gate, fp8, amax)) * _per_expert(buf, w_up, fp8, amax)
         out = _per_expert(h, w_down, fp8, amax)
@@ -119,6 +120,19 @@ class Capacity(Dispatcher):
                                            self.seq_len, exchange=exchange, fp8=self.fp8,
                                            amax=amax)
         return Dispatched(y, jnp.asarray(dropped, jnp.int32), jnp.ones((), jnp.int32))
+
+
+def _dispatch(buf, exchange, fp8: str):
+    """The slot buffers [E, C, D] on their way to the experts: exchange(buf, inverse=False),
+    or buf where exchange is None; under precision.fp8 (either mode) in E4M3 1x128 tiles with
+    float32 scales (kernels/fp8.e4m3_wire; the gradient comes back by the inverse exchange in
+    buf's dtype), rounded in place where nothing travels."""
+    if fp8 == "none":
+        return buf if exchange is None else exchange(buf, inverse=False)
+    if exchange is None:
+        return e4m3_wire(None, None, buf)
+    return e4m3_wire(functools.partial(exchange, inverse=False),
+                     functools.partial(exchange, inverse=True), buf)
 
 
 def _per_expert(buf, w, fp8: str, amax: AmaxAxes):

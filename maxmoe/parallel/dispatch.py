@@ -28,6 +28,10 @@ called inside parallel/experts.py's `shard_map` body (or without a mesh, with no
   (parallel/capacity.py).
 
 The rounds of AllToAll (slots, exchange, combine, their custom VJP) are parallel/all_to_all.py.
+Under precision.fp8 (`Dispatcher.fp8`, either mode) every dispatcher sends the tokens in E4M3
+1x128 tiles with float32 scales (kernels/fp8.e4m3_wire: DeepSeek-V3's FP8 dispatch, about half
+of bf16's bytes) and the combine in the compute dtype; the blockwise expert GEMMs requantise
+the arrived rows to the same E4M3 values, so the wire adds no error there.
 
 `choose_transport` is the rule `moe.transport=auto` follows (make_trainer applies it to the
 layout with `resolve_transport`); `describe_transport` is its start-up line.
@@ -36,6 +40,7 @@ layout with `resolve_transport`); `describe_transport` is its start-up line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -43,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from maxmoe.config import Config, MoEConfig
-from maxmoe.kernels.fp8 import NO_AXES
+from maxmoe.kernels.fp8 import NO_AXES, e4m3_wire
 from maxmoe.kernels.grouped_matmul import dropless_local, resolve_kernel
 from maxmoe.parallel.all_to_all import Route, exchange_rounds, plan_rounds, worst_rounds
 from maxmoe.sharding import mesh_platform
@@ -181,15 +186,30 @@ class AllGather(Dispatcher):
     def __call__(self, x, expert_idx, weights, w_gate, w_up, w_down) -> Dispatched:
         cfg, gathered = self.cfg, self.shards.gathered
         first = self.shards.first_expert(w_gate.shape[0])
+        x = self.gather_tokens(x)
         if gathered:
-            x, expert_idx, weights = (jax.lax.all_gather(a, gathered, axis=0, tiled=True)
-                                      for a in (x, expert_idx, weights))
+            expert_idx, weights = (jax.lax.all_gather(a, gathered, axis=0, tiled=True)
+                                   for a in (expert_idx, weights))
         y = dropless_local(x, expert_idx, weights, w_gate, w_up, w_down, first,
                            grouped_matmul=cfg.grouped_matmul, block_size=cfg.block_size,
                            fp8=self.fp8, amax=self.amax)
         if gathered:
             y = jax.lax.psum_scatter(y, gathered, scatter_dimension=0, tiled=True)
         return Dispatched(y, jnp.zeros((), jnp.int32), _one())
+
+    def gather_tokens(self, x):
+        """x [T, D] all-gathered over the gathered axes; under precision.fp8 (either mode) in
+        E4M3 1x128 tiles with float32 scales (kernels/fp8.e4m3_wire; the gradient comes back
+        reduce-scattered in x's dtype), rounded in place where nothing travels."""
+        gathered = self.shards.gathered
+        if self.fp8 == "none":
+            return jax.lax.all_gather(x, gathered, axis=0, tiled=True) if gathered else x
+        if not gathered:
+            return e4m3_wire(None, None, x)
+        move = functools.partial(jax.lax.all_gather, axis_name=gathered, axis=0, tiled=True)
+        back = functools.partial(jax.lax.psum_scatter, axis_name=gathered, scatter_dimension=0,
+                                 tiled=True)
+        return e4m3_wire(move, back, x)
 
 
 class AllToAll(Dispatcher):

@@ -53,7 +53,10 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
     devices). Picks the dispatcher (parallel/dispatch.py) by moe.dispatch and moe.transport.
     Without a mesh or on a one-device mesh no shard_map is built: its transpose would
     all-reduce the expert weight gradients over the size-1 axes, which XLA:CPU runs as copies.
-    fp8: precision.fp8, the expert GEMMs' FP8 mode (kernels/fp8.py), on every dispatcher.
+    fp8: precision.fp8, the expert GEMMs' FP8 mode (kernels/fp8.py), on every dispatcher; not
+    none, the tokens also travel to their experts in E4M3 1x128 tiles with float32 scales
+    (DeepSeek-V3's FP8 dispatch, kernels/fp8.e4m3_wire; rounded in place where they do not
+    travel), while the combine and the gradients stay in x's dtype.
     """
     b, s, d = x.shape
     total = b * s * expert_idx.shape[-1]
