@@ -13,6 +13,7 @@ from maxmoe.config_files import load_config
 from maxmoe.plan import gpu_aot, search
 from maxmoe.plan.collectives import CommBytes, summarize
 from maxmoe.plan.compiled_flops import check_line
+from maxmoe.plan.overlap import overlap_line
 from maxmoe.plan.probe import COMPILERS, GPU_STAND_INS, ProbeFailed, run_probe
 from maxmoe.plan.report import GIB, mesh_text, plan_figures, table, write_config
 from maxmoe.plan.roofline import parse_tokens
@@ -110,7 +111,7 @@ def compile_layout(items: list[str], cluster: Cluster, timeout_s: float, out: Te
     returns None (an invalid layout raises ConfigError)."""
     try:
         return run_probe(items, cluster.devices, cluster.hosts, cluster.devices_per_host,
-                         timeout_s, compiler, cluster.kind)
+                         timeout_s, compiler, cluster.kind, cluster)
     except ProbeFailed as e:
         print(f"plan: skipped a layout: {e}", file=out)
         return None
@@ -158,6 +159,7 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
         f"{t['dcn']:.2f} s) + pipeline bubble {t['pipeline_bubble']:.2f} s = "
         f"{best['step_time_s']:.2f} s; {best['tokens_per_second']:,.0f} tokens/s, MFU "
         f"{100 * best['mfu']:.1f}%{fp8_text(best)}, {best['tokens_per_day'] / 1e9:.1f}B tokens/day")
+    say("  " + overlap_line(best.get("overlap")))
     if best.get("flops_check"):
         say("  " + check_line(best["flops_check"]))
     if best["device_hours"] is not None:

@@ -19,6 +19,7 @@ Mosaic GPU kernels on NVIDIA GPUs), lowered inside kernel_device so that tokamax
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,7 @@ import jax
 import numpy as np
 
 from maxmoe.bench import memory_analysis
+from maxmoe.cluster import Cluster
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.kernels.tokamax_ops import kernel_device
@@ -41,6 +43,8 @@ from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.compiled_flops import flops_check
 from maxmoe.plan.hlo import dtype_bytes
+from maxmoe.plan.overlap import cluster_rates, schedule_overlap
+from maxmoe.plan.roofline import compute_peak
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
 from maxmoe.validation import validate
@@ -179,15 +183,21 @@ def kernel_calls(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
-            compiler: str = "cpu", kind: str = "") -> dict:
+            compiler: str = "cpu", kind: str = "", cluster: Cluster | None = None) -> dict:
     """Figures of one layout (module docstring); runs in the probe's own process, whose fake
     CPU device count it sets (compiler "cpu"), or on `devices` deviceless GPUs of the cluster's
-    device `kind` (compiler "gpu"). Raises ConfigError before compiling when the layout is
-    invalid or the GPU target or plugin is missing."""
+    device `kind` (compiler "gpu"). With compiler "gpu" and the `cluster`, also "overlap": the
+    communication the compiled schedule leaves exposed on it (overlap.py). Raises ConfigError
+    before compiling when the layout is invalid or the GPU target or plugin is missing."""
     t = time.perf_counter()
     setup, compiled, kernels = compile_step(items, devices, hosts, compiler, kind)
     result = compiled_figures(setup, compiled, devices_per_host)
     result.update(kernels, compile_s=round(time.perf_counter() - t, 1))
+    if compiler == "gpu" and cluster is not None:
+        peak = compute_peak(setup.model_flops, result["model_flops_fp8_per_step"], cluster)
+        result["overlap"] = schedule_overlap(compiled.as_text(), setup.trainer.mesh,
+                                             devices_per_host,
+                                             cluster_rates(cluster, *peak)).to_json()
     return result
 
 
@@ -271,12 +281,14 @@ def child_env() -> dict[str, str]:
 
 
 def run_probe(items: list[str], devices: int, hosts: int, devices_per_host: int,
-              timeout_s: float = 900, compiler: str = "cpu", kind: str = "") -> dict:
+              timeout_s: float = 900, compiler: str = "cpu", kind: str = "",
+              cluster: Cluster | None = None) -> dict:
     """measure() in a subprocess. Raises ConfigError for an invalid layout (the child's one
     line), ProbeFailed when the child dies or times out."""
     request = json.dumps({"items": items, "devices": devices, "hosts": hosts,
                           "devices_per_host": devices_per_host, "compiler": compiler,
-                          "kind": kind})
+                          "kind": kind,
+                          "cluster": cluster and dataclasses.asdict(cluster)})
     t = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "maxmoe.plan.probe", request],
@@ -299,7 +311,8 @@ def main() -> int:
     try:
         result = measure(request["items"], request["devices"], request["hosts"],
                          request["devices_per_host"], request.get("compiler", "cpu"),
-                         request.get("kind", ""))
+                         request.get("kind", ""),
+                         request.get("cluster") and Cluster(**request["cluster"]))
     except ConfigError as e:
         print(f"maxmoe: error: {e}", file=sys.stderr)
         return 2

@@ -28,8 +28,10 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
     comm = measured["collectives"]
     flops = measured["model_flops_per_step"]
     peak, efficiency = compute_peak(flops, measured.get("model_flops_fp8_per_step", 0.0), cluster)
+    overlap = measured.get("overlap")  # read from XLA:GPU's schedule (overlap.py), if compiled so
     step = step_time(flops, devices, cluster, comm, measured["bubble"], efficiency=efficiency,
-                     peak=peak)
+                     peak=peak,
+                     exposed_comm_s=overlap["exposed_communication_s"] if overlap else None)
     speed = throughput(step, measured["tokens_per_step"], flops, devices, peak)
     bill = cost(step.step_s, measured["tokens_per_step"], devices, cluster, tokens=tokens,
                 steps=None if tokens else steps)
@@ -61,7 +63,9 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
         "compute_s": step.compute_s, "exposed_communication_s": step.exposed_comm_s,
         "bubble_s": step.bubble_s, "tokens_per_step": measured["tokens_per_step"],
         "cross_host_bytes_per_device_per_step": link_bytes(comm)["dcn"],
-        "overlap_source": "assumed",  # roofline.COMM_OVERLAP, not read from a schedule
+        # "schedule": exposed_communication_s read from XLA:GPU's compiled schedule ("overlap"
+        # says how); "assumed": roofline.COMM_OVERLAP
+        "overlap_source": "schedule" if overlap else "assumed", "overlap": overlap,
         "tokens_per_second": speed.tokens_per_s, "mfu": speed.mfu,
         "model_flops_fp8_per_step": measured.get("model_flops_fp8_per_step", 0.0),
         "mfu_peak_flops_per_device": peak,  # bf16, or the FP8 step's effective peak
