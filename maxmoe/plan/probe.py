@@ -14,7 +14,8 @@ differs from the GPU's, the probe compiles the GPU's choice where XLA:CPU can, a
 closest form XLA:CPU compiles (GPU_STAND_INS says which and why). compiler "gpu" compiles with
 XLA:GPU on deviceless GPUs of the cluster's kind (gpu_aot.py; needs jax's CUDA plugin) the
 config's own kernels, `auto` resolved for those GPUs as a run there resolves it (tokamax's
-Mosaic GPU kernels on NVIDIA GPUs), lowered inside kernel_device so that tokamax sees them.
+Mosaic GPU kernels on NVIDIA GPUs), lowered inside kernel_device so that tokamax sees them; given
+the cluster, it also reads the communication the compiled schedule leaves exposed (overlap.py).
 """
 
 from __future__ import annotations

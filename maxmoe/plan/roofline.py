@@ -79,7 +79,8 @@ def compute_peak(model_flops: float, fp8_flops: float, cluster: Cluster) -> tupl
 # asynchronously beside the neighbouring layers' compute, so those hide well; the MoE
 # dispatch/combine all-to-alls sit on the critical path between router and experts and hide only
 # where micro-batches are interleaved (DeepSeek's DualPipe), which maxmoe does not do. Half is an
-# assumption between those two until a GPU profile measures it (docs/performance.md).
+# assumption between those two until a GPU profile measures it (docs/performance.md). XLA:GPU
+# plans read the exposed time from the compiled schedule instead (plan/overlap.py).
 COMM_OVERLAP = 0.5
 
 LINKS = ("ici", "dcn")
