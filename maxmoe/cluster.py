@@ -49,6 +49,14 @@ class Cluster:
     price_source: str
     price_date: str
     usable_fraction: float = 0.8  # of memory_gib left for the train step's buffers
+    # kernel-level efficiencies (achieved / dense peak) with their sources; None where the kind's
+    # file has no published figure (plan/roofline.py prices it at FALLBACK_EFFICIENCY, labelled)
+    gemm_efficiency_bf16: float | None = None  # large bf16 GEMMs, of peak_bf16_flops
+    gemm_efficiency_bf16_source: str = ""
+    gemm_efficiency_fp8: float | None = None  # FP8 (E4M3) GEMMs, of peak_fp8_flops
+    gemm_efficiency_fp8_source: str = ""
+    attention_efficiency_bf16: float | None = None  # causal flash attention fwd + bwd, of bf16
+    attention_efficiency_bf16_source: str = ""
     origin: str = ""  # the file(s) the figures came from
 
     @property
@@ -71,7 +79,10 @@ _TYPES = {f.name: f.type for f in dataclasses.fields(Cluster)}
 DEVICE_FIELDS = ("kind", "devices_per_host", "memory_gib", "usable_fraction", "peak_bf16_flops",
                  "peak_fp8_flops", "ici_bandwidth", "dcn_bandwidth", "storage_write_bandwidth",
                  "price_per_device_hour", "price_source", "price_date")
-_OPTIONAL = {"usable_fraction"}
+# kernel-level efficiency figures: each optional, each with its `FIELD_source` beside it
+EFFICIENCY_FIELDS = ("gemm_efficiency_bf16", "gemm_efficiency_fp8", "attention_efficiency_bf16")
+DEVICE_FIELDS += tuple(f for e in EFFICIENCY_FIELDS for f in (e, f"{e}_source"))
+_OPTIONAL = {"usable_fraction", *DEVICE_FIELDS[-2 * len(EFFICIENCY_FIELDS):]}
 CLUSTER_FIELDS = ("kind", "devices") + DEVICE_FIELDS[1:]
 # a device-kind file's keys that are no Cluster field: jax's device_kind of the kind (how a job's
 # devices find their file) and the deviceless XLA:GPU target's figures (gpu_target())
@@ -147,7 +158,7 @@ def _number(key: str, value: Any, origin: str) -> float | int:
         number = float(value)
     except ValueError:
         fail(key, value, origin, "must be a number", "write e.g. 989.0e12")
-    if key == "usable_fraction" and not 0 < number <= 1:
+    if key in ("usable_fraction", *EFFICIENCY_FIELDS) and not 0 < number <= 1:
         fail(key, value, origin, "must be in (0, 1]", "write a fraction such as 0.8")
     if number < 0 or (number == 0 and key != "price_per_device_hour"):
         fail(key, value, origin, "must be positive", "write the figure in bytes/s, FLOP/s or GiB")
@@ -233,6 +244,17 @@ def gpu_target(kind: str) -> dict | None:
     return out
 
 
+def _check_sources(given: dict, origin: str) -> None:
+    """A kernel-efficiency figure and its `_source` come together in `given` (a kind file's
+    fields or a cluster file's overrides); ConfigError naming the missing one otherwise."""
+    for key in EFFICIENCY_FIELDS:
+        source = f"{key}_source"
+        if (key in given) != (source in given):
+            missing, present = (key, source) if key not in given else (source, key)
+            fail(missing, None, origin, f"missing beside {present}",
+                 f"give {key} and {source} together (the figure and where it was published)")
+
+
 def _build(name: str, devices: int, kind: str, overrides: dict, where: str,
            cluster_file: str = "") -> Cluster:
     """The cluster of `devices` devices of `kind` with `overrides` (from `cluster_file`, if
@@ -245,6 +267,8 @@ def _build(name: str, devices: int, kind: str, overrides: dict, where: str,
                           f"devices_per_host={per_host} (nor a part of one host); use a multiple "
                           f"of {per_host}")
     origin = f"{cluster_file} + {kind_path}" if cluster_file else str(kind_path)
+    _check_sources(overrides, origin)  # a cluster file's own figures, then the merged ones
+    _check_sources(fields, origin)
     return Cluster(name=name, devices=devices, origin=origin, **fields)
 
 

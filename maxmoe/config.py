@@ -176,6 +176,8 @@ class MeshConfig:
     dcn_expert: int = 1
     dcn_tensor: int = 1
     cpu_devices: int = 0  # fake this many CPU devices when running on CPU (0 = leave as is)
+    # what compute reads the weights from (sharding.compute_axes): zero3 = the sharded state, gathered at every use | zero1 = a bf16 copy replicated over data and fsdp, made once per step, gradients reduced once per step | hsdp = zero1's copy also split over the storage axes inside a host
+    weights: str = "zero3"
     rules: dict[str, list[str]] = field(
         default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()})
 

@@ -141,7 +141,9 @@ def check_moe(e: MoEConfig, need: Need) -> None:
 
 def check_mesh(mesh: MeshConfig, need: Need) -> None:
     """The rules table names only mesh axes, each at most once per logical axis (the axis
-    sizes need the devices: see below)."""
+    sizes need the devices: see below), and mesh.weights is a mode sharding.compute_axes knows."""
+    need(mesh.weights in ("zero3", "zero1", "hsdp"), "mesh.weights", "unknown weight sharding",
+         "use zero3 (gathered per use), zero1 (replicated copy per step) or hsdp")
     for logical, axes in mesh.rules.items():
         for ax in axes:
             if ax not in MESH_AXES:

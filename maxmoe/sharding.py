@@ -26,6 +26,12 @@ from maxmoe.config import MESH_AXES, STACK_AXES, stage_local_rules
 
 _RULES: contextvars.ContextVar[dict[str, list[str]] | None] = contextvars.ContextVar("rules", default=None)
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", default=None)
+# (mesh.weights, DCN factors, the rules before copy_rules) while the step traces on a compute
+# copy (compute_copy)
+_COPY: contextvars.ContextVar[tuple[str, dict, dict] | None] = contextvars.ContextVar(
+    "copy", default=None)
+# the batch axes that are data parallelism alone: ZeRO-1/HSDP replicate compute weights over them
+DATA_PARALLEL_AXES = ("data", "fsdp")
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None,
@@ -212,6 +218,63 @@ def variable_axes(v, rules: Mapping[str, list[str]],
     return axes, tuple(a for a in MESH_AXES if sizes.get(a, 1) > 1 and a not in used)
 
 
+def compute_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
+                 sizes: Mapping[str, int], shape: Sequence[int], weights: str,
+                 dcn: Mapping[str, int] | None = None) -> list[tuple[str, ...]]:
+    """The mesh axes each dim of a param's compute copy is split over under mesh.weights:
+
+    - zero3: its storage (`state_dim_axes`); compute gathers it at every use;
+    - zero1: the rules' own axes without DATA_PARALLEL_AXES (experts over the expert axis,
+      tensor dims over tensor, the stack over the stages), replicated over the rest; a stack
+      the stages do not divide (V3's 58 MoE layers on 16) keeps the stage axes where storage
+      puts them, so a device holds its stage's share, as `stack_source_spec` reads it;
+    - hsdp: the rules' own axes but the data-parallel ones that span hosts (`copy_rules`),
+      plus the storage axes that stay inside a host (DCN factor 1 in `dcn`), each on the dim
+      storage puts it: gathered over NVLink per use, never across hosts.
+    """
+    stored, _ = state_dim_axes(logical, rules, sizes, shape)
+    if weights == "zero3":
+        return stored
+    own = dim_axes(logical, copy_rules(rules, weights, dcn or {}), sizes, shape)
+    keep = set(rules.get("stage", []))
+    if weights == "hsdp":
+        keep |= {a for a in sizes if (dcn or {}).get(a, 1) == 1}
+    out, used = [], {a for ax in own for a in ax}
+    for mine, theirs in zip(own, stored, strict=True):
+        extra = tuple(a for a in theirs if a in keep and a not in used)
+        used.update(extra)
+        out.append(mine + extra)
+    return out
+
+
+def copy_rules(rules: Mapping[str, list[str]], weights: str,
+               dcn: Mapping[str, int]) -> dict[str, list[str]]:
+    """`rules` as model code sees them on a compute copy: the data-parallel axes the copy is
+    replicated over (all of DATA_PARALLEL_AXES under zero1; under hsdp those spanning hosts)
+    dropped from every logical axis but "batch", so a weight's own sharding constraint (e.g.
+    the LM head's) keeps the copy whole instead of slicing and re-gathering it."""
+    if weights == "zero3":
+        return dict(rules)
+    drop = {a for a in DATA_PARALLEL_AXES if weights == "zero1" or dcn.get(a, 1) > 1}
+    return {k: list(v) if k == "batch" else [a for a in v if a not in drop]
+            for k, v in rules.items()}
+
+
+@contextlib.contextmanager
+def compute_copy(weights: str, dcn: Mapping[str, int]) -> Iterator[None]:
+    """The step traces on a compute copy laid out by `compute_axes` (mesh.weights zero1 /
+    hsdp): `stack_source_spec` reads the stack from that layout, not storage's, and `shard` /
+    `spec` use `copy_rules`. The current rules again on exit."""
+    rules = _RULES.get() or {}
+    t1 = _COPY.set((weights, dict(dcn), dict(rules)))
+    t2 = _RULES.set(copy_rules(rules, weights, dcn))
+    try:
+        yield
+    finally:
+        _RULES.reset(t2)
+        _COPY.reset(t1)
+
+
 def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
                       sizes: Mapping[str, int] | None = None) -> P:
     """The spec the pipeline regroups a stacked layer param [L, ...] from (parallel/pipeline.py
@@ -225,6 +288,10 @@ def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
     mesh = _MESH.get()
     sizes = sizes if sizes is not None else dict(mesh.shape) if mesh is not None else None
     logical, shape = param_axes(variable), variable.get_value().shape
+    copy = _COPY.get()
+    if copy is not None and sizes is not None:  # zero1 / hsdp: the compute copy's layout
+        weights, dcn, stored_rules = copy
+        return _as_spec(compute_axes(logical, stored_rules, sizes, shape, weights, dcn))
     axes = dim_axes(logical, rules, sizes, shape)
     stage = [a for a in rules.get("stage", []) if sizes and sizes[a] > 1]
     if not stage or any(set(ax) & set(stage) for ax in axes):
@@ -249,6 +316,18 @@ def state_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]
             axes, _ = variable_axes(v, rules, sizes)
             return v.replace(NamedSharding(mesh, _as_spec(axes)))
         return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def compute_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]],
+                       weights: str, dcn: Mapping[str, int]):
+    """NamedSharding of every nnx.Variable's compute copy under mesh.weights (compute_axes)."""
+    sizes = dict(mesh.shape)
+
+    def one(v):
+        axes = compute_axes(param_axes(v), rules, sizes, v.get_value().shape, weights, dcn)
+        return v.replace(NamedSharding(mesh, _as_spec(axes)))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -4,7 +4,13 @@ file is refused with one ConfigError line naming what is wrong."""
 import pytest
 import yaml
 
-from maxmoe.cluster import PACKAGE_CONFIGS, known_clusters, known_kinds, load_cluster
+from maxmoe.cluster import (
+    EFFICIENCY_FIELDS,
+    PACKAGE_CONFIGS,
+    known_clusters,
+    known_kinds,
+    load_cluster,
+)
 from maxmoe.config import ConfigError
 
 SHIPPED_KINDS = {"h800", "h100", "h200", "b200", "a100", "cpu"}
@@ -28,6 +34,11 @@ def test_every_device_kind_loads_as_its_file_says(kind):
     assert c.memory_bytes == int(raw["memory_gib"] * 2**30)
     assert c.peak_fp8_flops >= c.peak_bf16_flops > 0
     assert c.price_source and c.price_date and c.price_per_device_hour > 0
+    for field in EFFICIENCY_FIELDS:  # a kernel-level figure comes with its published source
+        value, source = getattr(c, field), getattr(c, f"{field}_source")
+        assert (value is None and not source) or (0 < value <= 1 and source), (field, value)
+    if kind in ("h100", "h200", "h800"):  # the Hopper files carry every figure
+        assert None not in [getattr(c, f) for f in EFFICIENCY_FIELDS]
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED_CLUSTERS))
@@ -106,6 +117,11 @@ def test_bad_specs_name_the_offender(spec, names):
     ("kind: h100\ndevices: 8\npeak_bf16_flop: 1.0e15\n", ["'peak_bf16_flop'", "unknown key"]),
     ("kind: h100\ndevices: 8\nici_bandwidth: fast\n", ["'ici_bandwidth'", "'fast'"]),
     ("kind: h100\ndevices: 8\nusable_fraction: 1.5\n", ["'usable_fraction'", "(0, 1]"]),
+    ("kind: h100\ndevices: 8\ngemm_efficiency_bf16: 1.2\n", ["'gemm_efficiency_bf16'", "(0, 1]"]),
+    ("kind: cpu\ndevices: 8\ngemm_efficiency_fp8: 0.5\n",
+     ["'gemm_efficiency_fp8_source'", "missing beside gemm_efficiency_fp8"]),
+    ("kind: cpu\ndevices: 8\nattention_efficiency_bf16_source: a paper\n",
+     ["'attention_efficiency_bf16'", "missing beside attention_efficiency_bf16_source"]),
     ("kind: h100\ndevices: 12\n", ["12 devices", "devices_per_host=8"]),
     ("mesh:\n  data: 8\n", ["mesh file"]),
 ])
@@ -129,3 +145,18 @@ def test_device_kind_file_missing_or_mislabelled_field(tmp_path, monkeypatch):
     message = one_line_error("8xnofp8")
     assert "'peak_fp8_flops'" in message and "nofp8.yaml" in message and "missing" in message
     assert "file name 'other'" in one_line_error("8xother")
+
+
+def test_a_cluster_file_overriding_an_efficiency_gives_its_source(tmp_path):
+    """A lent GPU's measurement may replace a published figure, but only with its own source:
+    the kind file's source would then describe another number."""
+    path = tmp_path / "measured.yaml"
+    path.write_text("kind: h100\ndevices: 8\ngemm_efficiency_bf16: 0.7\n")
+    assert "'gemm_efficiency_bf16_source'" in one_line_error(str(path))
+    path.write_text("kind: h100\ndevices: 8\ngemm_efficiency_bf16: 0.7\n"
+                    "gemm_efficiency_bf16_source: lent H100, tools/bench_grouped_matmul.py\n")
+    c = load_cluster(str(path))
+    kind = load_cluster("8xh100")
+    assert (c.gemm_efficiency_bf16, c.gemm_efficiency_fp8) == (0.7, kind.gemm_efficiency_fp8)
+    assert kind.gemm_efficiency_bf16 != 0.7  # the file's figure won
+    assert c.gemm_efficiency_bf16_source.startswith("lent H100")

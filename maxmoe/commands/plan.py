@@ -47,6 +47,9 @@ def add_parser(subparsers) -> None:
                    help="auto (default): gpu where it can, else cpu; cpu: XLA:CPU on fake "
                         "devices; gpu: XLA:GPU on deviceless GPUs of the cluster's kind (a "
                         "configs/devices/ kind with a gpu_target; needs jax[cuda12])")
+    p.add_argument("--load-imbalance", type=float, default=None, metavar="RATIO",
+                   help="busiest expert shard's tokens over the mean, slowing the dispatch and "
+                        "the routed experts (default: plan/roofline.py DEFAULT_LOAD_IMBALANCE)")
     p.add_argument("--timeout", type=float, default=900,
                    help="seconds one compile may take (default 900)")
     p.set_defaults(run=run)
@@ -60,6 +63,7 @@ def run(args) -> int:
 
     result = plan(args.items, args.cluster, tokens=args.tokens, search_layouts=args.search,
                   top=args.top, write=args.write, timeout_s=args.timeout, compiler=args.compiler,
-                  ignore_memory=args.ignore_memory, out=sys.stdout)
+                  ignore_memory=args.ignore_memory, load_imbalance=args.load_imbalance,
+                  out=sys.stdout)
     print(json.dumps(result["best"]))
     return 0 if result["best"]["fits"] else 1

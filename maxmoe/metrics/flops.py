@@ -150,6 +150,33 @@ def flops_by_precision(cfg: Config) -> dict[str, float]:
     return {"bf16": flops_per_token(cfg) - fp8, "fp8": fp8}
 
 
+KERNEL_CLASSES = ("attention", "gemm_bf16", "gemm_fp8", "routed_bf16", "routed_fp8")
+
+
+def routed_params_per_token(cfg: Config) -> int:
+    """Routed-expert weights a token passes through: top-k experts x 3 D F per MoE layer, in the
+    main layers and the MTP depths (each of the last layer's kind). Shared experts excluded."""
+    m, e = cfg.model, cfg.moe
+    groups = layer_groups(m)
+    layers = sum(n for is_moe, _, n in groups if is_moe) + (m.mtp_depth if groups[-1][0] else 0)
+    return layers * 3 * m.hidden_size * e.expert_mlp_size * e.experts_per_token
+
+
+def flops_by_kernel(cfg: Config) -> dict[str, float]:
+    """Model FLOPs per trained token by the kernel that runs them (KERNEL_CLASSES; they sum to
+    flops_per_token exactly): the causal attention core (bf16 under every precision.fp8), the
+    routed experts' grouped GEMMs (routed_fp8 when precision.fp8 is on, else routed_bf16: the
+    slowest expert shard sets their pace) and the other GEMMs of each precision. Why: the planner
+    prices each class at its own kernel-level efficiency (plan/roofline.py)."""
+    attention = attention_flops_per_token(cfg)
+    routed = 6.0 * routed_params_per_token(cfg)
+    fp8 = flops_by_precision(cfg)["fp8"]  # includes the routed experts when on
+    routed_fp8, routed_bf16 = (routed, 0.0) if fp8 else (0.0, routed)
+    return {"attention": attention,
+            "gemm_bf16": flops_per_token(cfg) - fp8 - attention - routed_bf16,
+            "gemm_fp8": fp8 - routed_fp8, "routed_bf16": routed_bf16, "routed_fp8": routed_fp8}
+
+
 def class_seconds(flops: dict[str, float], peaks: dict[str, float]) -> float:
     """Seconds the FLOPs of each class (flops_by_precision's keys) take at its peak:
     sum_c flops[c] / peaks[c]; a class with no FLOPs needs no peak."""

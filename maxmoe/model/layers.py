@@ -26,7 +26,8 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, axis: str = "act_embed"):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=(axis,))
+        # read in float32 (rms_norm): a bf16 compute copy (mesh.weights zero1) leaves it be
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=(axis,), compute_float32=True)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:

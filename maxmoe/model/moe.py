@@ -19,6 +19,7 @@ class MoE(nnx.Module):
                  fp8: str = "none"):
         e, f = cfg.num_experts, cfg.expert_mlp_size
         self.router = param(rngs, (dim, e), ("embed", None), std)
+        self.router.set_metadata("compute_float32", True)  # float32 logits (route)
         self.gate = param(rngs, (e, dim, f), ("experts", "embed", "expert_mlp"), std)
         self.up = param(rngs, (e, dim, f), ("experts", "embed", "expert_mlp"), std)
         self.down = param(rngs, (e, f, dim), ("experts", "expert_mlp", "embed"), std)

@@ -21,7 +21,7 @@ from flax import nnx
 from maxmoe.config import Config, stage_local_rules
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
-from maxmoe.sharding import dim_axes, param_axes, variable_axes
+from maxmoe.sharding import compute_axes, dim_axes, param_axes, variable_axes
 from maxmoe.train.optimizer import make_optimizer
 
 
@@ -33,6 +33,7 @@ class Leaf:
     dtype: Any
     sharded: bool  # split over every mesh axis of size > 1 (a scalar counts as sharded)
     gathered_over: tuple[str, ...] = ()  # axes compute all-gathers it over (stored, not rules)
+    copy_elements: int = 0  # per device in mesh.weights=zero1's compute copy (compute_axes)
 
     @property
     def bytes(self) -> int:
@@ -59,6 +60,7 @@ class StateBytes:
     # parameter elements stored per device, by the mesh axes compute gathers them over
     # (ZeRO-3: `sharding.state_dim_axes` stores over axes the rules' compute layout does not use)
     gathered: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+    copy_elements: int = 0  # parameter elements per device in a mesh.weights=zero1 copy
 
 
 def _per_device(v, cfg: Config, sizes: dict[str, int]) -> Leaf:
@@ -77,7 +79,10 @@ def _per_device(v, cfg: Config, sizes: dict[str, int]) -> Leaf:
                                                         value.shape), strict=True)
                for a in ax if a not in tokens or name == "experts"}  # tokens go to experts
     gathered = tuple(a for ax in axes for a in ax if a not in compute)
-    return Leaf("", shape, value.dtype, not unplaced, gathered)
+    copy = compute_axes(logical, cfg.mesh.rules, sizes, value.shape, "zero1")
+    copy_elements = math.prod(n // math.prod(sizes[a] for a in ax)
+                              for n, ax in zip(value.shape, copy, strict=True))
+    return Leaf("", shape, value.dtype, not unplaced, gathered, copy_elements)
 
 
 def _variable_leaves(state, cfg: Config, sizes: dict[str, int]) -> dict[str, Leaf]:
@@ -151,4 +156,5 @@ def state_bytes(cfg: Config, sizes: dict[str, int]) -> StateBytes:
                       total=part["params"] + part["opt_state"] + part["buffers"],
                       replicated=replicated, replicated_bytes=sum(b for _, b in replicated),
                       largest_param=max((leaf.bytes for leaf in leaves["params"]), default=0),
-                      gathered=gathered)
+                      gathered=gathered,
+                      copy_elements=sum(leaf.copy_elements for leaf in leaves["params"]))

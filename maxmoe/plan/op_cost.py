@@ -1,6 +1,6 @@
-"""The roofline cost of one compute op of optimised XLA:GPU HLO: its FLOPs and the bytes it moves
-in HBM, for plan/overlap.py, which prices a compute op at max(FLOPs / (peak x efficiency),
-HBM bytes / HBM bandwidth).
+"""The roofline cost of one compute op of optimised XLA:GPU HLO: its GEMM and attention FLOPs and
+the bytes it moves in HBM, for plan/overlap.py, which prices a compute op at max(GEMM FLOPs /
+GEMM rate + attention FLOPs / attention rate, HBM bytes / HBM bandwidth).
 
 FLOPs: dots and cuBLAS GEMMs as compiled_flops.py counts them, a fusion's (or async wrapper's) by
 its body. Tokamax's Mosaic GPU kernels are custom calls whose FLOPs the HLO does not give; they
@@ -54,19 +54,19 @@ def _attention_flops(shapes: list[tuple[str, list[int]]], results: int, backward
     return per * {1: 2 * dqk + v[-1], 2: 2 * dqk + 2 * v[-1]}.get(results, 3 * dqk + 2 * v[-1])
 
 
-def kernel_flops(ins: Instr, types: dict[str, str]) -> float | None:
-    """FLOPs of one Mosaic GPU grouped GEMM or flash attention custom call, estimated from its
-    operand shapes (module docstring); None for any other custom call."""
+def kernel_flops(ins: Instr, types: dict[str, str]) -> tuple[str, float] | None:
+    """(class, FLOPs) of one Mosaic GPU grouped GEMM ("gemm") or flash attention ("attention")
+    custom call, estimated from its operand shapes (module docstring); None for any other."""
     m = _OP_NAME.search(ins.attrs)
     name = m.group(1) if m else ""
     shapes = [_dims(_operand_type(op, types)) for op in ins.operands]
     out = [_dims(p) for p in tuple_parts(ins.type)]
     if re.search(r"ragged\w*dot", name):
         lhs = next((d for t, d in shapes if len(d) == 2 and t[0] in "fb"), None)
-        return None if lhs is None else 2.0 * math.prod(lhs) * out[0][1][-1]
+        return None if lhs is None else ("gemm", 2.0 * math.prod(lhs) * out[0][1][-1])
     if "attention" in name and len(shapes) >= 3 and all(len(d) == 4 for _, d in shapes[:3]):
         same = sum(1 for t, _ in out if t == shapes[0][0])
-        return _attention_flops(shapes, same, "transpose(" in name)
+        return "attention", _attention_flops(shapes, same, "transpose(" in name)
     return None
 
 
@@ -83,23 +83,31 @@ class OpCost:
         self.comps = comps
         self.types = {i.name: i.type for body in comps.values() for i in body}
         self.uncounted: dict[str, str] = {}  # custom-call instruction -> target, no FLOPs known
-        self._flops: dict[str, float] = {}
+        self._flops: dict[str, tuple[float, float]] = {}
 
-    def flops(self, ins: Instr) -> float:
-        """FLOPs of one instruction, fusions' bodies included."""
+    def flops(self, ins: Instr) -> tuple[float, float]:
+        """(GEMM FLOPs, attention FLOPs) of one instruction, fusions' bodies included; dots,
+        cuBLAS GEMMs and the grouped GEMM are GEMM FLOPs."""
         if ins.opcode in ("fusion", "fusion-start", "async-start"):
-            return sum(self.body_flops(c) for c in callees(ins) if c in self.comps)
+            subs = [self.body_flops(c) for c in callees(ins) if c in self.comps]
+            return sum(g for g, _ in subs), sum(a for _, a in subs)
         found = instruction_flops(ins, self.types)
-        if found is None and ins.opcode == "custom-call":
-            found = kernel_flops(ins, self.types)
-            if found is None:
-                m = _TARGET.search(ins.attrs)
-                self.uncounted[ins.name] = m.group(1) if m else "?"
-        return found or 0.0
+        if found is not None:
+            return found, 0.0
+        if ins.opcode != "custom-call":
+            return 0.0, 0.0
+        kernel = kernel_flops(ins, self.types)
+        if kernel is None:
+            m = _TARGET.search(ins.attrs)
+            self.uncounted[ins.name] = m.group(1) if m else "?"
+            return 0.0, 0.0
+        return (0.0, kernel[1]) if kernel[0] == "attention" else (kernel[1], 0.0)
 
-    def body_flops(self, comp: str) -> float:
+    def body_flops(self, comp: str) -> tuple[float, float]:
+        """flops() summed over a fused computation (memoised)."""
         if comp not in self._flops:
-            self._flops[comp] = sum(self.flops(i) for i in self.comps[comp])
+            parts = [self.flops(i) for i in self.comps[comp]]
+            self._flops[comp] = (sum(g for g, _ in parts), sum(a for _, a in parts))
         return self._flops[comp]
 
     def hbm_bytes(self, ins: Instr) -> float:

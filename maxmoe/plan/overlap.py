@@ -6,11 +6,12 @@ the compile is XLA:GPU's (issue 41, item 5).
 The rule: a collective's exposed time is its roofline time less the roofline time of the compute
 scheduled strictly between its start and its done, never below 0, where
 - a collective's roofline time is the bytes one device sends for it (collectives.py's convention,
-  mesh-averaged) over the cluster's ici and dcn bandwidths; its link is dcn when any of its bytes
-  cross hosts, else ici;
-- a compute op's roofline time is max(FLOPs / (peak x efficiency), HBM bytes / HBM bandwidth),
-  its FLOPs and bytes as op_cost.py counts them (Mosaic GPU kernels estimated from their shapes;
-  other custom calls by their bytes only, a lower bound, listed in `uncounted_custom_calls`);
+  mesh-averaged; the expert all-to-all scaled to the bytes the plan prices it at) over the
+  cluster's ici and dcn bandwidths; its link is dcn when any of its bytes cross hosts, else ici;
+- a compute op's roofline time is max(GEMM FLOPs / GEMM rate + attention FLOPs / attention rate,
+  HBM bytes / HBM bandwidth), rates from the device file (cluster_rates), FLOPs and bytes as
+  op_cost.py counts them (Mosaic GPU kernels estimated from their shapes; other custom calls by
+  their bytes only, a lower bound, listed in `uncounted_custom_calls`);
 - each compute op is credited once: its time goes to the collectives in flight in the order they
   started, so two collectives in flight together cannot both hide under one op;
 - collectives on one link are serialised in the order they started: at a collective's done, those
@@ -38,6 +39,7 @@ from maxmoe.config import ConfigError
 from maxmoe.plan.collectives import ROUNDS_LOOP, instruction_pricer
 from maxmoe.plan.hlo import Instr, attr, callees, known_trip_count, operand_name, parse_module
 from maxmoe.plan.op_cost import OpCost
+from maxmoe.plan.roofline import kernel_efficiency
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute")
@@ -53,23 +55,27 @@ _DIMS = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\]")
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """What one device does per second: FLOP/s (peak x efficiency, roofline.compute_peak), HBM
-    and link bytes/s (one way)."""
-    flops: float
+    """What one device does per second: GEMM and attention FLOP/s (peak x kernel efficiency,
+    roofline.kernel_efficiency), HBM and link bytes/s (one way)."""
+    gemm_flops: float
+    attention_flops: float
     hbm_bandwidth: float
     ici_bandwidth: float
     dcn_bandwidth: float
 
 
-def cluster_rates(cluster: Cluster, peak: float, efficiency: float) -> Rates:
-    """Rates of a cluster's device: the HBM bandwidth is its gpu_target's memory_bandwidth
+def cluster_rates(cluster: Cluster) -> Rates:
+    """Rates of a cluster's device: its bf16 peak at the device file's bf16 GEMM and attention
+    efficiencies (FP8 dots too: a floor), the HBM bandwidth its gpu_target's memory_bandwidth
     (configs/devices/KIND.yaml, XLA's own spec). ConfigError for a kind without a gpu_target."""
     target = gpu_target(cluster.kind)
     if target is None:
         raise ConfigError(f"--cluster {cluster.name}: kind {cluster.kind!r} has no gpu_target "
                           "(memory_bandwidth) in configs/devices/; the schedule cannot be timed")
-    return Rates(peak * efficiency, float(target["memory_bandwidth"]), cluster.ici_bandwidth,
-                 cluster.dcn_bandwidth)
+    peak = cluster.peak_bf16_flops
+    return Rates(peak * kernel_efficiency(cluster, "gemm_bf16")[0],
+                 peak * kernel_efficiency(cluster, "attention")[0],
+                 float(target["memory_bandwidth"]), cluster.ici_bandwidth, cluster.dcn_bandwidth)
 
 
 @dataclasses.dataclass
@@ -140,14 +146,16 @@ class _Timeline:
 class _Schedule:
     """Times one compiled module's computations (module docstring)."""
 
-    def __init__(self, comps: dict[str, list[Instr]], price, rates: Rates):
-        self.comps, self.price, self.rates = comps, price, rates
+    def __init__(self, comps: dict[str, list[Instr]], price, rates: Rates,
+                 a2a_scale: dict[str, float]):
+        self.comps, self.price, self.rates, self.a2a_scale = comps, price, rates, a2a_scale
         self.cost = OpCost(comps)
         self.warnings: list[str] = []
         self._runs: dict[str, Run] = {}
 
     def op_seconds(self, ins: Instr) -> float:
-        return max(self.cost.flops(ins) / self.rates.flops,
+        gemm, attention = self.cost.flops(ins)
+        return max(gemm / self.rates.gemm_flops + attention / self.rates.attention_flops,
                    self.cost.hbm_bytes(ins) / self.rates.hbm_bandwidth)
 
     def collective(self, ins: Instr, comp: str) -> Collective | None:
@@ -165,8 +173,11 @@ class _Schedule:
                   and ins.opcode.removesuffix("-start") in COLLECTIVES):
             return None
         sent = self.price(target, where)
-        ici = sum(v[0] for v in sent.values())
-        dcn = sum(v[1] for v in sent.values())
+        ici = dcn = 0.0
+        for (label, kind), (i, d) in sent.items():  # the expert all-to-all as the plan prices it
+            expert = kind == "all-to-all" and "expert" in label.split("+")
+            ici += i * (self.a2a_scale.get("ici", 1.0) if expert else 1.0)
+            dcn += d * (self.a2a_scale.get("dcn", 1.0) if expert else 1.0)
         if ici + dcn <= 0:
             return None
         m = _OP_NAME.search(target.attrs) or _OP_NAME.search(ins.attrs)
@@ -263,13 +274,17 @@ class Overlap:
                 "warnings": self.warnings}
 
 
-def schedule_overlap(hlo_text: str, mesh: Mesh, devices_per_host: int, rates: Rates) -> Overlap:
+def schedule_overlap(hlo_text: str, mesh: Mesh, devices_per_host: int, rates: Rates,
+                     a2a_scale: dict[str, float] | None = None) -> Overlap:
     """The module docstring's exposed communication of one step, from its scheduled HLO text on
-    `mesh` (partition i is mesh.devices.flat[i]; a device's host is its id // devices_per_host)."""
+    `mesh` (partition i is mesh.devices.flat[i]; a device's host is its id // devices_per_host).
+    a2a_scale: {"ici": f, "dcn": f}, the expert axis's all-to-all bytes times f on each link
+    (the plan prices it at balanced routed bytes, not the compiled buffers: report.py)."""
     if "is_scheduled=true" not in hlo_text.split("\n", 1)[0]:
         raise ValueError("schedule_overlap needs a scheduled HLO module (is_scheduled=true)")
     comps, entry = parse_module(hlo_text)
-    schedule = _Schedule(comps, instruction_pricer(comps, mesh, devices_per_host), rates)
+    schedule = _Schedule(comps, instruction_pricer(comps, mesh, devices_per_host), rates,
+                         a2a_scale or {})
     run = schedule.run(entry)
     uncounted: dict[str, int] = {}
     for target in schedule.cost.uncounted.values():

@@ -22,13 +22,19 @@ from maxmoe.validation import validate
 
 def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layouts: bool = False,
          top: int = 4, write: str = "", timeout_s: float = 900, compiler: str = "auto",
-         ignore_memory: bool = False, out: TextIO) -> dict:
+         ignore_memory: bool = False, load_imbalance: float | None = None,
+         out: TextIO) -> dict:
     """Plans `items` (config files and KEY=VALUE overrides) on the cluster, compiling with
     XLA:CPU on fake devices or XLA:GPU on deviceless GPUs (`compiler`, probe.py; "auto":
     resolve_compiler); returns
     {"rows": figures of every compiled layout, best first, "best": rows[0]}. Raises
     ConfigError on bad input (a kind without a GPU target, no CUDA plugin), before any
-    compile. ignore_memory: --search ranks and orders every layout by step time alone."""
+    compile. ignore_memory: --search ranks and orders every layout by step time alone.
+    load_imbalance: the busiest expert shard over the mean (default
+    roofline.DEFAULT_LOAD_IMBALANCE), slowing the dispatch and the routed experts."""
+    if load_imbalance is not None and not load_imbalance >= 1:
+        raise ConfigError(f"--load-imbalance {load_imbalance}: must be at least 1 (the busiest "
+                          "expert shard's tokens over the mean); write e.g. 1.1")
     files = [a for a in items if "=" not in a]
     overrides = [a for a in items if "=" in a]
     cfg, origins = load_config(files, overrides)
@@ -54,10 +60,12 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
         candidates = [(overrides, None)]
     rows = []
     for extra, estimate in candidates:
-        measured = compile_layout(files + extra, cluster, timeout_s, out, compiler)
+        measured = compile_layout(files + extra, cluster, timeout_s, out, compiler,
+                                  load_imbalance)
         if measured is None:
             continue
-        figures = plan_figures(measured, cluster, tokens=token_count, steps=cfg.train.steps)
+        figures = plan_figures(measured, cluster, tokens=token_count, steps=cfg.train.steps,
+                               load_imbalance=load_imbalance)
         figures.update(layout=extra[len(overrides):], remat=measured["remat"],
                        microbatches=measured["microbatches"])
         if estimate is not None:
@@ -106,12 +114,13 @@ def check_compiler(compiler: str, cluster: Cluster) -> None:
 
 
 def compile_layout(items: list[str], cluster: Cluster, timeout_s: float, out: TextIO,
-                   compiler: str = "cpu") -> dict | None:
-    """probe.run_probe on the cluster's device count; a failed compile prints one line and
-    returns None (an invalid layout raises ConfigError)."""
+                   compiler: str = "cpu", load_imbalance: float | None = None) -> dict | None:
+    """probe.run_probe on the cluster's device count (and, for XLA:GPU's schedule, the cluster
+    and load imbalance); a failed compile prints one line and returns None (an invalid layout
+    raises ConfigError)."""
     try:
         return run_probe(items, cluster.devices, cluster.hosts, cluster.devices_per_host,
-                         timeout_s, compiler, cluster.kind, cluster)
+                         timeout_s, compiler, cluster.kind, cluster, load_imbalance)
     except ProbeFailed as e:
         print(f"plan: skipped a layout: {e}", file=out)
         return None
@@ -132,7 +141,8 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
     cost. `title` heads them (the dry run's figures are its own layout's, on real devices)."""
     m = best["memory_by_part"]
     say = lambda text: print(text, file=out)  # noqa: E731
-    say(f"\n{title}: {mesh_text(best['mesh'])}, remat {best['remat']}, "
+    say(f"\n{title}: {mesh_text(best['mesh'])}, weights {best.get('weights', 'zero3')}, "
+        f"remat {best['remat']}, "
         f"{best['microbatches']} microbatch(es); compiled in {best['compile_s']} s "
         f"({best['wall_s']} s with its process)")
     if best.get("compiler") == "gpu" or best["stand_ins"]:  # a dry run compiles the real kernels
@@ -159,6 +169,15 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
         f"{t['dcn']:.2f} s) + pipeline bubble {t['pipeline_bubble']:.2f} s = "
         f"{best['step_time_s']:.2f} s; {best['tokens_per_second']:,.0f} tokens/s, MFU "
         f"{100 * best['mfu']:.1f}%{fp8_text(best)}, {best['tokens_per_day'] / 1e9:.1f}B tokens/day")
+    say(f"  compute priced at {100 * best['compute_efficiency']:.1f}% of that peak (remat "
+        f"x{best['recompute_factor']:.2f}, load imbalance {best['load_imbalance']:g}): "
+        f"{best['compute_efficiency_source']}")
+    a2a = best["expert_all_to_all_bytes_per_device_per_step"]
+    if a2a["routed"]:
+        say(f"  expert all-to-all: {sum(a2a['routed'].values()) / 1e9:.1f} GB as balanced "
+            f"routing sends it ({a2a['routed']['dcn'] / 1e9:.1f} across hosts), "
+            f"{sum(a2a['compiled_capacity'].values()) / 1e9:.1f} GB of compiled buffers; "
+            "priced at the routed bytes x the load imbalance")
     say("  " + overlap_line(best.get("overlap")))
     if best.get("flops_check"):
         say("  " + check_line(best["flops_check"]))

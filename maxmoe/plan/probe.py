@@ -38,14 +38,15 @@ from maxmoe.cluster import Cluster
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.kernels.tokamax_ops import kernel_device
-from maxmoe.metrics.flops import fp8_params_per_token
+from maxmoe.metrics.flops import flops_by_kernel, fp8_params_per_token
 from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.compiled_flops import flops_check
 from maxmoe.plan.hlo import dtype_bytes
 from maxmoe.plan.overlap import cluster_rates, schedule_overlap
-from maxmoe.plan.roofline import compute_peak
+from maxmoe.plan.report import compute_price, expert_all_to_all, priced_collectives
+from maxmoe.plan.search import routed_dispatch_bytes
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
 from maxmoe.validation import validate
@@ -184,22 +185,36 @@ def kernel_calls(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
-            compiler: str = "cpu", kind: str = "", cluster: Cluster | None = None) -> dict:
+            compiler: str = "cpu", kind: str = "", cluster: Cluster | None = None,
+            load_imbalance: float | None = None) -> dict:
     """Figures of one layout (module docstring); runs in the probe's own process, whose fake
     CPU device count it sets (compiler "cpu"), or on `devices` deviceless GPUs of the cluster's
-    device `kind` (compiler "gpu"). With compiler "gpu" and the `cluster`, also "overlap": the
-    communication the compiled schedule leaves exposed on it (overlap.py). Raises ConfigError
-    before compiling when the layout is invalid or the GPU target or plugin is missing."""
+    device `kind` (compiler "gpu"). With compiler "gpu" and the `cluster`, also "overlap"
+    (overlap_figures). Raises ConfigError before compiling when the layout is invalid or the
+    GPU target or plugin is missing."""
     t = time.perf_counter()
     setup, compiled, kernels = compile_step(items, devices, hosts, compiler, kind)
     result = compiled_figures(setup, compiled, devices_per_host)
     result.update(kernels, compile_s=round(time.perf_counter() - t, 1))
     if compiler == "gpu" and cluster is not None:
-        peak = compute_peak(setup.model_flops, result["model_flops_fp8_per_step"], cluster)
-        result["overlap"] = schedule_overlap(compiled.as_text(), setup.trainer.mesh,
-                                             devices_per_host,
-                                             cluster_rates(cluster, *peak)).to_json()
+        result["overlap"] = overlap_figures(compiled.as_text(), setup.trainer.mesh,
+                                            devices_per_host, cluster, result, load_imbalance)
     return result
+
+
+def overlap_figures(hlo_text: str, mesh, devices_per_host: int, cluster: Cluster,
+                    measured: dict, load_imbalance: float | None) -> dict:
+    """overlap.schedule_overlap's JSON for a compiled XLA:GPU step on the cluster, the expert
+    all-to-all timed at the bytes the plan prices it at (report.priced_collectives: balanced
+    routed bytes x the load imbalance, per link, over the compiled buffers')."""
+    _, imbalance, _, _ = compute_price(measured, cluster, load_imbalance)
+    comm = measured["collectives"]
+    compiled = expert_all_to_all(comm)
+    priced = expert_all_to_all(priced_collectives(comm, measured.get("routed_dispatch_bytes"),
+                                                  imbalance))
+    scale = {link: priced[link] / n for link, n in compiled.items() if n > 0}
+    return schedule_overlap(hlo_text, mesh, devices_per_host, cluster_rates(cluster),
+                            scale).to_json()
 
 
 def compile_step(items: list[str], devices: int, hosts: int, compiler: str = "cpu",
@@ -246,6 +261,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
     return {
         "devices": devices, "hosts": math.prod(mesh[f"dcn_{a}"] for a in sizes), "mesh": mesh,
         "remat": cfg.model.remat_policy, "microbatches": cfg.train.grad_accum_steps,
+        "weights": cfg.mesh.weights,
         "memory": memory_analysis(compiled),
         "state": parts,
         "state_global_bytes": sum(math.prod(a.shape) * a.dtype.itemsize
@@ -263,6 +279,12 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
                                    cfg.model.remat_policy),
         # the FP8 class's share (metrics.flops.MFU_CONVENTION; 0 with precision.fp8 none)
         "model_flops_fp8_per_step": 6.0 * fp8_params_per_token(cfg) * setup.tokens_per_step,
+        # the same FLOPs by the kernel class that prices them (plan/roofline.price_compute)
+        "model_flops_by_kernel_per_step": {k: f * setup.tokens_per_step
+                                           for k, f in flops_by_kernel(cfg).items()},
+        # the expert dispatch + combine as balanced routing sends them (None: not all_to_all)
+        "routed_dispatch_bytes": routed_dispatch_bytes(cfg, sizes, {
+            a: mesh[f"dcn_{a}"] for a in sizes}),
         "tokens_per_step": setup.tokens_per_step,
         "bubble": pipeline_idle(cfg.model, sizes["pipeline"]),  # with chunk padding
     }
@@ -283,13 +305,13 @@ def child_env() -> dict[str, str]:
 
 def run_probe(items: list[str], devices: int, hosts: int, devices_per_host: int,
               timeout_s: float = 900, compiler: str = "cpu", kind: str = "",
-              cluster: Cluster | None = None) -> dict:
+              cluster: Cluster | None = None, load_imbalance: float | None = None) -> dict:
     """measure() in a subprocess. Raises ConfigError for an invalid layout (the child's one
     line), ProbeFailed when the child dies or times out."""
     request = json.dumps({"items": items, "devices": devices, "hosts": hosts,
                           "devices_per_host": devices_per_host, "compiler": compiler,
-                          "kind": kind,
-                          "cluster": cluster and dataclasses.asdict(cluster)})
+                          "kind": kind, "cluster": cluster and dataclasses.asdict(cluster),
+                          "load_imbalance": load_imbalance})
     t = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "maxmoe.plan.probe", request],
@@ -313,7 +335,8 @@ def main() -> int:
         result = measure(request["items"], request["devices"], request["hosts"],
                          request["devices_per_host"], request.get("compiler", "cpu"),
                          request.get("kind", ""),
-                         request.get("cluster") and Cluster(**request["cluster"]))
+                         request.get("cluster") and Cluster(**request["cluster"]),
+                         request.get("load_imbalance"))
     except ConfigError as e:
         print(f"maxmoe: error: {e}", file=sys.stderr)
         return 2

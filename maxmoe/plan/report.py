@@ -9,11 +9,14 @@ import yaml
 
 from maxmoe.cluster import Cluster
 from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config
+from maxmoe.plan.compiled_flops import FULL_RECOMPUTE
 from maxmoe.plan.roofline import (
+    DEFAULT_LOAD_IMBALANCE,
+    LOAD_IMBALANCE_SOURCE,
     checkpoint,
-    compute_peak,
     cost,
     link_bytes,
+    price_compute,
     step_time,
     throughput,
 )
@@ -21,16 +24,61 @@ from maxmoe.plan.roofline import (
 GIB = 2.0**30
 
 
+def priced_collectives(comm: dict, routed: dict | None, imbalance: float) -> dict:
+    """`comm` (collective_bytes' {axis: {kind: {link: bytes}}}) with the expert axis's compiled
+    all-to-all replaced by `routed` (search.routed_dispatch_bytes) x `imbalance`: what the step
+    is priced with. `comm` itself where routed is None (other transports send what compiled)."""
+    if routed is None:
+        return comm
+    out = {axis: dict(kinds) for axis, kinds in comm.items()}
+    for axis, kinds in out.items():
+        if "expert" in axis.split("+"):
+            kinds.pop("all-to-all", None)
+    out.setdefault("expert", {})["all-to-all"] = {k: v * imbalance for k, v in routed.items()}
+    return out
+
+
+def expert_all_to_all(comm: dict) -> dict[str, float]:
+    """{"ici", "dcn"}: the compiled all-to-all bytes on the axes that include expert."""
+    out = {"ici": 0.0, "dcn": 0.0}
+    for axis, kinds in comm.items():
+        if "expert" in axis.split("+"):
+            for link, n in kinds.get("all-to-all", {}).items():
+                out[link] += n
+    return out
+
+
+def compute_price(measured: dict, cluster: Cluster, load_imbalance: float | None):
+    """(price_compute's ComputePrice, the imbalance applied, its source, the recompute factor)
+    of one probe result; the imbalance is 1 where the expert axis is 1 (one shard)."""
+    flops = measured["model_flops_per_step"]
+    by_kernel = measured.get("model_flops_by_kernel_per_step") or {"gemm_bf16": flops}
+    imbalance = DEFAULT_LOAD_IMBALANCE if load_imbalance is None else load_imbalance
+    source = LOAD_IMBALANCE_SOURCE if load_imbalance is None else "--load-imbalance"
+    if measured["mesh"].get("expert", 1) == 1:
+        imbalance, source = 1.0, "1: one expert shard (mesh.expert 1)"
+    recompute = 1.0 if measured.get("remat", "none") == "none" else FULL_RECOMPUTE
+    price = price_compute(by_kernel, measured["devices"], cluster, imbalance=imbalance,
+                          recompute=recompute)
+    return price, imbalance, source, recompute
+
+
 def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = None,
-                 steps: int | None = None) -> dict:
-    """The contract's JSON keys (and a few more) for one probe result (probe.measure's)."""
+                 steps: int | None = None, load_imbalance: float | None = None) -> dict:
+    """The contract's JSON keys (and a few more) for one probe result (probe.measure's).
+    Compute is priced per kernel class (roofline.price_compute) and the expert all-to-all at
+    its balanced routed bytes x the load imbalance (default roofline.DEFAULT_LOAD_IMBALANCE)."""
     memory, devices = measured["memory"], measured["devices"]
     comm = measured["collectives"]
     flops = measured["model_flops_per_step"]
-    peak, efficiency = compute_peak(flops, measured.get("model_flops_fp8_per_step", 0.0), cluster)
+    price, imbalance, imbalance_source, recompute = compute_price(measured, cluster,
+                                                                  load_imbalance)
+    peak = price.peak
+    routed = measured.get("routed_dispatch_bytes")
+    priced = priced_collectives(comm, routed, imbalance)
     overlap = measured.get("overlap")  # read from XLA:GPU's schedule (overlap.py), if compiled so
-    step = step_time(flops, devices, cluster, comm, measured["bubble"], efficiency=efficiency,
-                     peak=peak,
+    step = step_time(flops, devices, cluster, priced, measured["bubble"],
+                     efficiency=price.efficiency, peak=peak,
                      exposed_comm_s=overlap["exposed_communication_s"] if overlap else None)
     speed = throughput(step, measured["tokens_per_step"], flops, devices, peak)
     bill = cost(step.step_s, measured["tokens_per_step"], devices, cluster, tokens=tokens,
@@ -38,7 +86,7 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
     ckpt_bytes, ckpt_s = checkpoint(measured["state_global_bytes"], cluster)
     return {
         "cluster": cluster.name, "mesh": measured["mesh"], "devices": devices,
-        "layout": measured.get("layout", []),
+        "layout": measured.get("layout", []), "weights": measured.get("weights", "zero3"),
         "peak_bytes_per_device": memory["peak_bytes"],
         "argument_bytes_per_device": memory["argument_bytes"],
         "device_memory_bytes": cluster.memory_bytes,
@@ -62,7 +110,16 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
         # the same parts under their own keys (issue 41), and what the step moves and prices
         "compute_s": step.compute_s, "exposed_communication_s": step.exposed_comm_s,
         "bubble_s": step.bubble_s, "tokens_per_step": measured["tokens_per_step"],
-        "cross_host_bytes_per_device_per_step": link_bytes(comm)["dcn"],
+        # the expert all-to-all as balanced routing sends it, not the compiled buffers
+        "cross_host_bytes_per_device_per_step": link_bytes(priced_collectives(
+            comm, routed, 1.0))["dcn"],
+        "cross_host_bytes_per_device_per_step_compiled": link_bytes(comm)["dcn"],
+        "expert_all_to_all_bytes_per_device_per_step": {
+            "compiled_capacity": expert_all_to_all(comm), "routed": routed,
+            "priced": expert_all_to_all(priced)},
+        "load_imbalance": imbalance, "load_imbalance_source": imbalance_source,
+        "compute_efficiency": price.efficiency, "compute_efficiency_source": price.source,
+        "recompute_factor": recompute,
         # "schedule": exposed_communication_s read from XLA:GPU's compiled schedule ("overlap"
         # says how); "assumed": roofline.COMM_OVERLAP
         "overlap_source": "schedule" if overlap else "assumed", "overlap": overlap,

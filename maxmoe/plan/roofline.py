@@ -3,7 +3,8 @@
 Pure arithmetic, no JAX: the compile probe supplies model FLOPs and collective bytes per step,
 a `Cluster` supplies peaks, bandwidths and prices, and these functions turn them into seconds,
 tokens/s, MFU, device-hours and dollars. Every assumption is a named constant below with its
-reasoning; the compute efficiency is calibrated on DeepSeek-V3's published training cost.
+reasoning; compute is priced per kernel class at the device file's published kernel-level
+efficiencies (price_compute), DeepSeek-V3's end-to-end rate kept only as a comparison figure.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import re
 from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 
-from maxmoe.cluster import Cluster, load_device_kind
+from maxmoe.cluster import Cluster
 from maxmoe.config import ConfigError
 
-# ---------------------------------------------------------------- the compute efficiency
+# ---------------------------------------------------------------- DeepSeek-V3, for comparison
 # DeepSeek-V3 (arXiv 2412.19437): pre-training on 14.8T tokens took 2.664M H800 GPU-hours
-# (Table 1; "180K H800 GPU hours" per trillion tokens, sec. 1), with FP8 GEMMs (sec. 3.3).
+# (Table 1; "180K H800 GPU hours" per trillion tokens, sec. 1), with FP8 GEMMs (sec. 3.3). Its
+# achieved rate is a comparison figure only: pricing a plan with it would make any comparison
+# with DeepSeek circular (issue 41), so compute is priced per kernel class (price_compute).
 V3_PRETRAIN_TOKENS = 14.8e12
 V3_PRETRAIN_GPU_HOURS = 2.664e6
 # maxmoe.metrics.flops.flops_per_token on configs/models/deepseek_v3_671b.yaml with
@@ -27,51 +30,114 @@ V3_PRETRAIN_GPU_HOURS = 2.664e6
 # + 31.2 GFLOPs of causal attention = 260,647,919,616 FLOPs per token (2.606e11);
 # tests/plan/test_roofline.py recomputes it, so a change of the count shows up there.
 V3_FLOPS_PER_TOKEN = 260_647_919_616
-# V3's GPU's dense peaks, from its device file (the one source of device figures)
-H800_PEAK_BF16 = load_device_kind("h800")[0]["peak_bf16_flops"]
-H800_PEAK_FP8 = load_device_kind("h800")[0]["peak_fp8_flops"]
-# 14.8e12 tok x 2.606e11 FLOP/tok = 3.858e24 FLOPs over 2.664e6 x 3600 = 9.590e9 GPU-seconds
-# -> 4.022e14 FLOP/s achieved per GPU = 40.7% of the bf16 dense peak (20.3% of the fp8 peak).
-# It is end to end: whatever communication and pipeline bubble DualPipe did not hide is in it,
-# so adding exposed communication on top (step_time) is slightly pessimistic. It is relative to
-# the bf16 peak although V3 ran FP8 GEMMs, so for a bf16 run it is optimistic. For comparison,
-# Llama 3 405B (bf16, dense) reached 380-430 TFLOP/s per H100, 38-43% (arXiv 2407.21783).
+# of which 6 x fp8_params_per_token with precision.fp8 on: 217,049,726,976 (83.3%) are FP8
+V3_FP8_FLOPS_PER_TOKEN = 217_049_726_976
+# 14.8e12 tok x 2.606e11 FLOP/tok / (2.664e6 x 3600 GPU-s) = 4.022e14 FLOP/s per H800, end to
+# end (40.7% of the bf16 dense peak, 20.3% of the fp8 one)
 V3_ACHIEVED_FLOPS_PER_GPU = (V3_PRETRAIN_TOKENS * V3_FLOPS_PER_TOKEN
                              / (V3_PRETRAIN_GPU_HOURS * 3600))
-COMPUTE_EFFICIENCY = V3_ACHIEVED_FLOPS_PER_GPU / H800_PEAK_BF16  # 0.4067
-COMPUTE_EFFICIENCY_OF_FP8_PEAK = V3_ACHIEVED_FLOPS_PER_GPU / H800_PEAK_FP8  # 0.2033
-# A plan with precision.fp8 on counts its compute per matmul class (metrics.flops
-# MFU_CONVENTION): the FP8 class's FLOPs at the fp8 peak, the rest at the bf16 one, i.e. at
-# effective_peak. V3 under that convention: 6 x fp8_params_per_token with precision.fp8 on =
-# 217,049,726,976 of its 260.6 GFLOPs per token (83.3%) are FP8 (tests/plan/test_roofline.py
-# recomputes it) -> an effective H800 peak of 1.695e15 and 4.022e14 achieved = 23.7% of it.
-# FP8 plans run at that efficiency of their effective peak, so V3's own plan keeps V3's
-# measured rate: no FP8 speed-up beyond what V3 reached is assumed.
-V3_FP8_FLOPS_PER_TOKEN = 217_049_726_976
+
+# ---------------------------------------------------------------- kernel-level compute pricing
+# Each class of metrics.flops.flops_by_kernel runs at its peak x its kernel-level efficiency,
+# from the device's configs/devices/ file (published GEMM and attention figures, with sources).
+# class -> (Cluster efficiency field, the peak it is a fraction of)
+KERNEL_PRICING = {"attention": ("attention_efficiency_bf16", "peak_bf16_flops"),
+                  "gemm_bf16": ("gemm_efficiency_bf16", "peak_bf16_flops"),
+                  "routed_bf16": ("gemm_efficiency_bf16", "peak_bf16_flops"),
+                  "gemm_fp8": ("gemm_efficiency_fp8", "peak_fp8_flops"),
+                  "routed_fp8": ("gemm_efficiency_fp8", "peak_fp8_flops")}
+# A kind whose file has no figure for a class (a100 FP8 and attention, b200 attention, cpu) is
+# priced at this fallback, labelled in the plan: below every published figure in configs/devices
+# (the lowest is FlashAttention-3's 0.478 per model FLOP on H100), so a kind without figures is
+# never priced faster than one with them. An assumption, not a measurement.
+FALLBACK_EFFICIENCY = 0.45
+FALLBACK_SOURCE = (f"fallback {FALLBACK_EFFICIENCY} (roofline.FALLBACK_EFFICIENCY: no published "
+                   "figure in the device file)")
+# Expert-load imbalance: the busiest expert shard's tokens over the mean sets the pace of the
+# dispatch and the routed-expert GEMMs (every shard waits for it). An assumption, not measured:
+# maxmoe has no converged run at scale; its only logged figures are short tiny CPU runs
+# (metrics.jsonl load_max_mean_ratio_max 1.49-1.66 per expert after 150 steps of
+# configs/tiny.yaml, bias balancing off), which say nothing of a trained, balanced router over
+# shards of many experts. Override with `maxmoe plan --load-imbalance`; 1 where ep is 1.
+DEFAULT_LOAD_IMBALANCE = 1.10
+LOAD_IMBALANCE_SOURCE = ("assumed (roofline.DEFAULT_LOAD_IMBALANCE): busiest expert shard over "
+                         "the mean; not measured")
 
 
 def effective_peak(model_flops: float, fp8_flops: float, bf16_peak: float,
                    fp8_peak: float) -> float:
     """The one per-device peak at which `model_flops` take as long as their bf16 part at
     `bf16_peak` plus their `fp8_flops` part at `fp8_peak`; exactly bf16_peak when fp8_flops
-    is 0."""
+    is 0. MFU is quoted against it (metrics.flops.MFU_CONVENTION)."""
     if not fp8_flops:
         return bf16_peak
     return model_flops / ((model_flops - fp8_flops) / bf16_peak + fp8_flops / fp8_peak)
 
 
-COMPUTE_EFFICIENCY_FP8 = V3_ACHIEVED_FLOPS_PER_GPU / effective_peak(
-    V3_FLOPS_PER_TOKEN, V3_FP8_FLOPS_PER_TOKEN, H800_PEAK_BF16, H800_PEAK_FP8)  # 0.2373
+def kernel_efficiency(cluster: Cluster, kernel_class: str) -> tuple[float, str]:
+    """(efficiency, its source) of one flops_by_kernel class on the cluster's devices: the
+    device file's figure, or FALLBACK_EFFICIENCY labelled as such."""
+    field, _ = KERNEL_PRICING[kernel_class]
+    value = getattr(cluster, field)
+    if value is None:
+        return FALLBACK_EFFICIENCY, FALLBACK_SOURCE
+    return value, getattr(cluster, f"{field}_source")
 
 
-def compute_peak(model_flops: float, fp8_flops: float, cluster: Cluster) -> tuple[float, float]:
-    """(per-device peak, efficiency) a step's compute is planned at: the bf16 peak and
-    COMPUTE_EFFICIENCY when none of its FLOPs are FP8 (precision.fp8 none), else the cluster's
-    effective_peak and COMPUTE_EFFICIENCY_FP8."""
-    if not fp8_flops:
-        return cluster.peak_bf16_flops, COMPUTE_EFFICIENCY
-    return (effective_peak(model_flops, fp8_flops, cluster.peak_bf16_flops,
-                           cluster.peak_fp8_flops), COMPUTE_EFFICIENCY_FP8)
+@dataclasses.dataclass(frozen=True)
+class ComputePrice:
+    """A step's compute priced per kernel class: `seconds` per device; `peak` the MFU peak
+    (effective_peak: FP8-class FLOPs at the fp8 peak); `efficiency` = model FLOPs / (devices x
+    peak x seconds), the one figure step_time takes; `source` names each class's figure."""
+
+    seconds: float
+    peak: float
+    efficiency: float
+    source: str
+
+
+def price_compute(flops: Mapping[str, float], devices: int, cluster: Cluster, *,
+                  imbalance: float = 1.0, recompute: float = 1.0) -> ComputePrice:
+    """Seconds per device of a step whose model FLOPs (all devices) are split by kernel class
+    (`flops`: metrics.flops.flops_by_kernel's keys x tokens): each class at its peak x its
+    kernel_efficiency, the routed experts' classes `imbalance` times longer (the busiest shard
+    sets the pace), all of it `recompute` times (remat re-runs the forward: 4/3)."""
+    if devices < 1 or imbalance < 1 or recompute < 1:
+        raise ValueError(f"price_compute: devices={devices}, imbalance={imbalance}, "
+                         f"recompute={recompute} out of range")
+    seconds, used = 0.0, []
+    for kernel_class, n in flops.items():
+        if not n:
+            continue
+        efficiency, source = kernel_efficiency(cluster, kernel_class)
+        peak = getattr(cluster, KERNEL_PRICING[kernel_class][1])
+        slow = imbalance if kernel_class.startswith("routed") else 1.0
+        seconds += recompute * slow * n / (devices * peak * efficiency)
+        used.append(f"{kernel_class} {efficiency:g} ({source})")
+    total = sum(flops.values())
+    fp8 = flops.get("gemm_fp8", 0.0) + flops.get("routed_fp8", 0.0)
+    peak = effective_peak(total, fp8, cluster.peak_bf16_flops, cluster.peak_fp8_flops)
+    efficiency = total / (devices * peak * seconds) if seconds else 1.0
+    return ComputePrice(seconds, peak, efficiency, "; ".join(used))
+
+
+def routed_all_to_all_bytes(tokens: float, experts_per_token: int, hidden: int,
+                            dtype_bytes: float, expert_shards: int, shards_per_host: int,
+                            exchanges: int, moe_layers: int) -> dict[str, float]:
+    """{"ici": bytes, "dcn": bytes} one device sends per step in the expert dispatch and combine
+    under balanced routing (each of its `tokens` tokens per MoE layer sends its
+    `experts_per_token` assignments of `hidden` x `dtype_bytes` bytes, each to a uniformly
+    random one of `expert_shards` shards, `shards_per_host` of them on its own host):
+    exchanges x tokens x K x hidden x bytes x moe_layers, of which (shards_per_host - 1) /
+    expert_shards stays inside the host and (expert_shards - shards_per_host) / expert_shards
+    crosses hosts (the rest stays on the device). Why: collectives.py counts a ragged exchange as
+    its whole buffer (c x rounds x T K rows), an upper bound; this is what routing sends."""
+    if not 1 <= shards_per_host <= expert_shards or expert_shards % shards_per_host:
+        raise ValueError(f"routed_all_to_all_bytes: shards_per_host={shards_per_host} does not "
+                         f"divide expert_shards={expert_shards}")
+    sent = exchanges * tokens * experts_per_token * hidden * dtype_bytes * moe_layers
+    return {"ici": sent * (shards_per_host - 1) / expert_shards,
+            "dcn": sent * (expert_shards - shards_per_host) / expert_shards}
 
 # ---------------------------------------------------------------- the overlap assumption
 # Fraction of the communication time hidden under compute (never more than the compute time).
@@ -92,7 +158,7 @@ CHECKPOINT_BYTES_PER_PARAM = 12
 class StepTime:
     """Seconds of one train step: step_s = compute_s + exposed_comm_s + bubble_s."""
 
-    compute_s: float  # model FLOPs at efficiency x the dense bf16 (or effective) peak
+    compute_s: float  # model FLOPs at efficiency x peak (price_compute's, per class)
     ici_s: float  # bytes one device sends inside its host / ici_bandwidth
     dcn_s: float  # bytes one device sends across hosts / dcn_bandwidth
     exposed_comm_s: float  # ici_s + dcn_s less what overlaps compute
@@ -138,12 +204,12 @@ def link_bytes(collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]]
 
 def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
               collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]],
-              idle_fraction: float, *, efficiency: float = COMPUTE_EFFICIENCY,
+              idle_fraction: float, *, efficiency: float = FALLBACK_EFFICIENCY,
               overlap: float = COMM_OVERLAP, peak: float | None = None,
               exposed_comm_s: float | None = None) -> StepTime:
     """Roofline step time of `devices` devices of `cluster` for a step of
     `model_flops_per_step` FLOPs (all devices together): compute at `efficiency` x `peak`
-    (default the dense bf16 peak; compute_peak gives both for an FP8 step); each link class's
+    (default the dense bf16 peak; price_compute gives both, per kernel class); each link class's
     bytes (link_bytes) over its bandwidth, the two classes in series; `overlap` of that hidden
     under compute. `idle_fraction` f is the share of the pipelined step a stage idles
     (model.spec.pipeline_idle: (P-1) / (V M + P-1) with padding): busy for the compute, idle

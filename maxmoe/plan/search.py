@@ -11,6 +11,7 @@ communication bytes counted per axis from the layout (compiled plans read them f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -19,13 +20,19 @@ import numpy as np
 
 from maxmoe.cluster import Cluster
 from maxmoe.config import MESH_AXES, Config, ConfigError
-from maxmoe.metrics.flops import flops_per_token, fp8_params_per_token
+from maxmoe.metrics.flops import flops_by_kernel, flops_per_token
 from maxmoe.model.spec import layer_groups, pipeline_idle
 from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
 from maxmoe.parallel.schedule import pipeline_schedule
+from maxmoe.plan.compiled_flops import FULL_RECOMPUTE
 from maxmoe.plan.estimate import state_bytes
-from maxmoe.plan.roofline import compute_peak, step_time
+from maxmoe.plan.roofline import (
+    DEFAULT_LOAD_IMBALANCE,
+    price_compute,
+    routed_all_to_all_bytes,
+    step_time,
+)
 from maxmoe.validation import shards, stage_batch_shards, validate
 
 # host split orders: which axes fill a host first (tensor must stay inside one)
@@ -33,6 +40,7 @@ HOST_ORDERS = (("tensor", "expert", "fsdp", "pipeline", "data"),
                ("tensor", "fsdp", "expert", "pipeline", "data"))
 REMAT_POLICIES = ("full", "save_named")
 MICROBATCHES = (1, 2, 4, 8)
+WEIGHTS = ("zero3", "zero1")  # mesh.weights; hsdp equals zero1 where no data axis stays in a host
 MAX_PIPELINE = 16
 
 
@@ -43,16 +51,17 @@ class Layout:
     dcn: dict[str, int]
     remat: str
     microbatches: int
+    weights: str = "zero3"  # mesh.weights
 
     def overrides(self) -> list[str]:
         """The KEY=VALUE overrides that select this layout."""
         mesh = [f"mesh.{a}={self.sizes[a]}" for a in MESH_AXES]
         dcn = [f"mesh.dcn_{a}={self.dcn[a]}" for a in MESH_AXES]
-        return [*mesh, *dcn, f"model.remat_policy={self.remat}",
-                f"train.grad_accum_steps={self.microbatches}"]
+        return [*mesh, *dcn, f"mesh.weights={self.weights}",
+                f"model.remat_policy={self.remat}", f"train.grad_accum_steps={self.microbatches}"]
 
     def apply(self, cfg: Config) -> Config:
-        mesh = dataclasses.replace(cfg.mesh, **self.sizes,
+        mesh = dataclasses.replace(cfg.mesh, **self.sizes, weights=self.weights,
                                    **{f"dcn_{a}": n for a, n in self.dcn.items()})
         return dataclasses.replace(
             cfg, mesh=mesh, model=dataclasses.replace(cfg.model, remat_policy=self.remat),
@@ -112,18 +121,17 @@ def layouts(cfg: Config, origins: dict[str, str], cluster: Cluster) -> list[Layo
             dcn = host_split(sizes, cluster.devices_per_host, order)
             if dcn is None or not group_limited_ok(cfg, dcn):
                 continue
-            for remat in REMAT_POLICIES:
-                for micro in MICROBATCHES:
-                    layout = Layout(sizes, dcn, remat, micro)
-                    key = str(layout)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    try:
-                        validate(layout.apply(cfg), cluster.devices, origins, cluster.hosts)
-                    except ConfigError:
-                        continue
-                    out.append(layout)
+            for remat, micro, weights in itertools.product(REMAT_POLICIES, MICROBATCHES,
+                                                           WEIGHTS):
+                layout = Layout(sizes, dcn, remat, micro, weights)
+                if str(layout) in seen:
+                    continue
+                seen.add(str(layout))
+                try:
+                    validate(layout.apply(cfg), cluster.devices, origins, cluster.hosts)
+                except ConfigError:
+                    continue
+                out.append(layout)
     return out
 
 
@@ -213,6 +221,33 @@ def moe_rows(cfg: Config, layout: Layout, t: float) -> float:
     return e.transport_buffer_factor * t * e.experts_per_token
 
 
+# exchanges of the T K assignment rows per MoE layer by the all_to_all transport: dispatch and
+# combine forward; its rounds' custom VJP re-sends both, then the two gradient exchanges
+# (parallel/all_to_all.py). Remat adds none: the compiled all-to-all bytes of configs/tiny.yaml
+# at expert 8 are the same under remat none and full, 6.0 x c T K D rows x 3 MoE layers.
+ALL_TO_ALL_EXCHANGES = 6
+
+
+def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int]
+                          ) -> dict[str, float] | None:
+    """roofline.routed_all_to_all_bytes of the layout (`sizes`, its DCN factors `dcn`): the
+    {"ici", "dcn"} bytes one device's expert dispatch and combine send per step under balanced
+    routing, for the all_to_all transport; None for the other transports (their compiled bytes
+    are what they send) or an expert axis of 1. The tokens are a device's stage batch shard;
+    the MTP depths count as stack layers (exact without a pipeline)."""
+    e, m, ep = cfg.moe, cfg.model, sizes["expert"]
+    if ep == 1 or e.dispatch == "capacity" or \
+            choose_transport(e, ep, dcn["expert"]) != "all_to_all":
+        return None
+    groups = layer_groups(m)
+    layers = (sum(n for is_moe, _, n in groups if is_moe) / sizes["pipeline"]
+              + (m.mtp_depth if groups[-1][0] else 0))
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len / stage_batch_shards(cfg, sizes)
+    return routed_all_to_all_bytes(tokens, e.experts_per_token, m.hidden_size,
+                                   compute_bytes(cfg), ep, ep // dcn["expert"],
+                                   ALL_TO_ALL_EXCHANGES, layers)
+
+
 def activation_bytes(cfg: Config, layout: Layout) -> float:
     """Modelled temporaries beyond the gradients: saved residuals of every layer, one MoE
     layer's received rows (`moe_rows`) and expert intermediates, the logits and the float32
@@ -240,23 +275,25 @@ def activation_bytes(cfg: Config, layout: Layout) -> float:
 def gather_bytes(layout: Layout, gathered: dict[tuple[str, ...], int], width: int) -> dict:
     """Elements each device receives per step when compute all-gathers the parameters stored
     over extra axes (StateBytes.gathered), by axis: the gather over a group of axes runs
-    hierarchically, cross-host (DCN) axes first, where the pieces are smallest. Per
-    microbatch: a forward and a backward gather in the compute dtype and the gradient
-    reduce-scatter in float32."""
+    hierarchically, cross-host (DCN) axes first, where the pieces are smallest. zero3: per
+    microbatch, a forward and a backward gather in the compute dtype and the gradient
+    reduce-scatter in float32; zero1: once per step, the copy's gather and the gradients'
+    one reduction, both in the compute dtype."""
     per_axis: dict[str, float] = {}
     for axes, elements in gathered.items():
         running = elements
         for axis in sorted(axes, key=lambda a: layout.dcn[a] == 1):
             per_axis[axis] = per_axis.get(axis, 0.0) + (layout.sizes[axis] - 1) * running
             running *= layout.sizes[axis]
-    return {a: n * (2 * width + 4) * layout.microbatches for a, n in per_axis.items()}
+    per_step = (2 * width + 4) * layout.microbatches if layout.weights == "zero3" else 2 * width
+    return {a: n * per_step for a, n in per_axis.items()}
 
 
 def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
     """Modelled bytes one device sends per step, per axis, in collective_bytes' shape: ZeRO-3
     gathers of the stored parameters and gradient reduce-scatters (`gather_bytes`); MoE token
     traffic per MoE layer: all_gather's gathers and reduce-scatters (forward, remat, backward),
-    or all_to_all's exchanges of the c T K slots (two forward, two in the remat, four backward);
+    or all_to_all's routed_dispatch_bytes x DEFAULT_LOAD_IMBALANCE (the busiest shard's share);
     tensor all-reduces."""
     m, sizes = cfg.model, layout.sizes
     t = tokens_per_device(cfg, sizes, 1)
@@ -267,7 +304,9 @@ def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
     if transport(cfg, layout) == "all_gather":
         tokens = 3 * (ep - 1) * t * m.hidden_size * (width + 4) * moe_layers
     else:
-        tokens = 8 * (ep - 1) / ep * moe_rows(cfg, layout, t) * m.hidden_size * width * moe_layers
+        routed = routed_dispatch_bytes(cfg, sizes, layout.dcn)
+        tokens = (sum(routed.values()) * DEFAULT_LOAD_IMBALANCE if routed else
+                  8 * (ep - 1) / ep * moe_rows(cfg, layout, t) * m.hidden_size * width * moe_layers)
     sent["expert"] = sent.get("expert", 0.0) + tokens
     sent["tensor"] = sent.get("tensor", 0.0) + (
         6 * 2 * (tp - 1) / tp * t * m.hidden_size * width * m.num_layers)
@@ -283,17 +322,21 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     """The analytic figures of one layout given its StateBytes."""
     act = activation_bytes(cfg, layout)
     temporaries = int(state.grads + act + UPDATE_COPIES * state.largest_param)
+    if layout.weights != "zero3":  # the compute copy and its float32 gradient sums
+        temporaries += int(state.copy_elements * (compute_bytes(cfg) + 4))
     batch_keys = 5  # tokens, targets, segment_ids, positions (int32), loss_mask (float32)
     batch = (cfg.data.global_batch_size * cfg.data.seq_len * 4 * batch_keys
              // shards(cfg, layout.sizes, "batch"))
     peak = state.total + batch + temporaries
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
-    flops = flops_per_token(cfg) * cfg.data.global_batch_size * cfg.data.seq_len
     bubble = pipeline_idle(cfg.model, layout.sizes["pipeline"])  # with chunk padding
-    flop_peak, efficiency = compute_peak(flops, 6.0 * fp8_params_per_token(cfg) * tokens,
-                                         cluster)
-    step = step_time(flops, cluster.devices, cluster, comm_bytes(cfg, layout, state), bubble,
-                     efficiency=efficiency, peak=flop_peak)
+    price = price_compute({k: f * tokens for k, f in flops_by_kernel(cfg).items()},
+                          cluster.devices, cluster,
+                          imbalance=DEFAULT_LOAD_IMBALANCE if layout.sizes["expert"] > 1 else 1.0,
+                          recompute=1.0 if layout.remat == "none" else FULL_RECOMPUTE)
+    step = step_time(flops_per_token(cfg) * tokens, cluster.devices, cluster,
+                     comm_bytes(cfg, layout, state), bubble, efficiency=price.efficiency,
+                     peak=price.peak)
     return Estimate(layout, state.total, temporaries, peak, step.step_s,
                     peak <= cluster.usable_bytes)
 

@@ -29,10 +29,10 @@ from maxmoe.metrics.diagnostics import grad_norms_by_group, update_ratios
 from maxmoe.metrics.router_health import init_window, update_window
 from maxmoe.model.router import RouterBias
 from maxmoe.model.spec import layer_groups, moe_layer_indices
-from maxmoe.model.transformer import LossShare, build_model, load_summary, loss_token_counts
+from maxmoe.model.transformer import build_model
 from maxmoe.parallel.dispatch import resolve_transport
-from maxmoe.parallel.row_groups import combine_stacked
 from maxmoe.sharding import named, spec, state_shardings, use_mesh
+from maxmoe.train.gradients import ComputeCopy, compute_copy_of, make_gradients
 from maxmoe.train.guards import StepGuard, select
 from maxmoe.train.optimizer import learning_rate_schedule, make_optimizer
 from maxmoe.train.precision import make_loss_scaler
@@ -64,6 +64,7 @@ class StateLayout:
     shardings: Any  # NamedSharding per state leaf
     device_opt_shardings: Any  # optimizer.offload_state: the moments' on-device shardings
     abstract: Any  # ShapeDtypeStructs carrying `shardings`
+    compute: ComputeCopy | None  # mesh.weights zero1 / hsdp; None under zero3
 
 
 def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
@@ -113,7 +114,7 @@ def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, shardings)
     return StateLayout(graphdef, optimizer, init_state, shardings, device_opt_shardings,
-                       abstract)
+                       abstract, compute_copy_of(cfg, mesh, abstract_vars, param_shardings))
 
 
 def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
@@ -127,7 +128,7 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         batch_sharding = named(("batch", "seq"))
         micro_spec = spec((None, "batch", "seq"))
     train_step = make_train_step(cfg, graphdef, optimizer, schedule, micro_spec,
-                                 layout.device_opt_shardings)
+                                 layout.device_opt_shardings, layout.compute)
 
     def run_in_mesh(fn):
         def wrapped(*args):
@@ -172,74 +173,6 @@ def writes_metrics(done, cfg: Config):
     if cfg.train.eval_every_steps:
         hit = hit | (done % cfg.train.eval_every_steps == 0)
     return hit
-
-
-# microbatch metrics summed into the step's under gradient accumulation (accumulated)
-SUMMED = ("loss", "ce_loss", "mtp_loss", "balance_loss", "z_loss", "sequence_balance_loss",
-          "dropped_fraction", "expert_load")
-
-
-def accumulated(metrics: dict) -> dict:
-    """Metrics stacked over microbatches [A, ...] (each from the model's loss under a
-    LossShare) -> the whole step's, the values one unsplit batch gives:
-
-    - SUMMED: the loss terms and dropped_fraction, already weighted by the share (tokens for
-      cross-entropies, 1 / A for position means), and expert_load, a count;
-    - expert_load_max / _min, load_max_mean_ratio_max: recomputed from the summed load (a
-      max of microbatch maxima would not be the step's);
-    - ROOT_MEAN_SQUARE (row_groups): the residual RMS per layer, root of the mean square over
-      microbatches (each holds the same number of positions);
-    - MAXED (row_groups): dispatch_rounds, the rounds the worst microbatch needed;
-    - anything else: the mean over microbatches (router_entropy and
-      dropped_fraction_by_layer: exactly the step's, as every microbatch has as many tokens
-      and assignments).
-
-    row_groups.combine_stacked applies these rules."""
-    out = combine_stacked(metrics, summed=SUMMED)
-    if "expert_load" in out:
-        out.update(load_summary(out["expert_load"]))
-    return out
-
-
-def make_gradients(cfg: Config, graphdef, micro_spec: P):
-    """(params, batch, buffers, scale_state) -> (grads, metrics) of the whole batch, computed
-    over train.grad_accum_steps microbatches (a scan), the loss scaled under float16.
-
-    Each microbatch's loss is weighted by its share of the step (LossShare: loss tokens for
-    the cross-entropies), so the summed gradients equal the unsplit batch's; exactly so for
-    every loss term but the Switch balance loss (moe.aux_loss_weight), a product of batch
-    means, which becomes the mean of the microbatches' balance losses."""
-    accum = cfg.train.grad_accum_steps
-    scaler = make_loss_scaler(cfg.precision)
-
-    def loss_fn(params, batch, buffers, scale_state, share=None):
-        loss, metrics = nnx.merge(graphdef, params, *buffers).loss(batch, share)
-        if scaler is not None:  # float16: scale so small gradients survive the backward pass
-            loss = scaler.scale(loss, scale_state)
-        return loss, metrics
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def gradients(params, batch, buffers, scale_state):
-        if accum == 1:
-            (_, metrics), grads = grad_fn(params, batch, buffers, scale_state)
-            return grads, metrics
-
-        def split(x):  # [B, ...] -> [A, B/A, ...]; microbatch j takes rows j, j+A, ...
-            x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
-            return jax.lax.with_sharding_constraint(x, P(*micro_spec[: x.ndim]))
-
-        share = LossShare(loss_token_counts(batch, cfg.model.mtp_depth), accum)
-
-        def body(acc, micro):
-            (_, metrics), grads = grad_fn(params, micro, buffers, scale_state, share)
-            return jax.tree.map(jnp.add, acc, grads), metrics
-
-        grads, metrics = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params),
-                                      jax.tree.map(split, batch))
-        return grads, accumulated(metrics)
-
-    return gradients
 
 
 def when_logged(diagnose, f, *args):
@@ -300,13 +233,15 @@ def per_layer_metrics(cfg: Config, graphdef, metrics: dict, grads, new_params, n
 
 
 def make_train_step(cfg: Config, graphdef, optimizer, schedule, micro_spec: P,
-                    device_opt_shardings=None):
-    """Builds the pure step; every variant (accumulation, precision, offload) is chosen here.
+                    device_opt_shardings=None, copy: ComputeCopy | None = None):
+    """Builds the pure step; every variant (accumulation, precision, offload, mesh.weights) is
+    chosen here.
 
     device_opt_shardings: the optimizer state's device shardings when it is kept in host
     memory (the step moves it in, updates it on the device, and out_shardings move it back).
+    copy: the compute copy of mesh.weights zero1 / hsdp (make_gradients).
     """
-    gradients = make_gradients(cfg, graphdef, micro_spec)
+    gradients = make_gradients(cfg, graphdef, micro_spec, copy)
     scaler = make_loss_scaler(cfg.precision)
     step_guard = StepGuard.from_config(cfg.guard)
 

@@ -16,7 +16,9 @@ from maxmoe.config_files import load_config
 from maxmoe.kernels.fp8 import fp8_dot
 from maxmoe.metrics import flops as flops_module
 from maxmoe.metrics.flops import (
+    KERNEL_CLASSES,
     effective_peak,
+    flops_by_kernel,
     flops_by_precision,
     flops_per_token,
     fp8_params_per_token,
@@ -25,11 +27,9 @@ from maxmoe.metrics.flops import (
     peak_flops,
 )
 from maxmoe.plan.roofline import (
-    COMPUTE_EFFICIENCY,
-    COMPUTE_EFFICIENCY_FP8,
     V3_FLOPS_PER_TOKEN,
     V3_FP8_FLOPS_PER_TOKEN,
-    compute_peak,
+    price_compute,
     step_time,
 )
 from maxmoe.train.reporting import log_window
@@ -81,6 +81,25 @@ def test_tiny_v3_split_by_hand():
     assert split["bf16"] + split["fp8"] == flops_per_token(cfg)  # exactly, same total
     assert flops_per_token(cfg) == flops_per_token(tiny_v3("none"))
     assert fp8_params_per_token(tiny_v3("tensorwise")) == fp8
+
+
+@pytest.mark.parametrize("fp8", ["none", "blockwise"])
+def test_tiny_v3_split_by_kernel_by_hand(fp8):
+    """The planner's pricing classes (flops_by_kernel): the routed experts are top-2 x 3 x 128
+    x 64 per MoE layer, 3 MoE layers + the MTP block; the attention core 6 x 5 layers x 4 heads
+    x (48 + 32) x S / 2; the other GEMMs the rest of their precision's class."""
+    cfg = tiny_v3(fp8)
+    s = cfg.data.seq_len
+    routed = 6 * 4 * 2 * 3 * 128 * 64
+    attention = 6 * 5 * 4 * 80 * s / 2
+    split, by_precision = flops_by_kernel(cfg), flops_by_precision(cfg)
+    assert set(split) == set(KERNEL_CLASSES)
+    assert split["attention"] == attention
+    assert split[f"routed_{'bf16' if fp8 == 'none' else 'fp8'}"] == routed
+    assert split["routed_bf16"] + split["routed_fp8"] == routed
+    assert split["gemm_fp8"] == by_precision["fp8"] - split["routed_fp8"]
+    assert split["gemm_bf16"] == by_precision["bf16"] - attention - split["routed_bf16"]
+    assert sum(split.values()) == flops_per_token(cfg)  # exactly, the same total
 
 
 def test_mfu_denominator_follows_the_classes():
@@ -147,24 +166,35 @@ def test_memory_line_says_what_fp8_saves():
     assert "E4M3 (half their bf16 bytes" in memory_line(memory, "tensorwise")
 
 
-def test_planner_fp8_compute_peak_keeps_v3_calibration():
-    """V3's FP8 share, recomputed from its config, is the constant the FP8 efficiency was
-    derived from; an FP8 plan of V3 then takes V3's own compute time, a bf16 plan the same
-    (both calibrated on V3's achieved FLOP/s), and fp8 = none plans at the bf16 peak as before."""
+def test_planner_prices_fp8_at_the_fp8_peak_and_its_kernel_efficiency():
+    """V3's FP8 share, recomputed from its config, is the constant roofline states; an FP8 plan
+    of V3 on 2048xh800 runs its FP8 GEMMs at the fp8 peak x the h800 file's FP8 GEMM efficiency
+    and the rest at the bf16 peak x theirs (no DeepSeek end-to-end rate in it), and fp8 = none
+    plans every FLOP at the bf16 peak, as MFU counts it."""
     cfg, _ = load_config(["configs/models/deepseek_v3_671b.yaml"],
                          ["data.seq_len=4096", "precision.fp8=blockwise"])
     assert flops_per_token(cfg) == V3_FLOPS_PER_TOKEN
     assert 6 * fp8_params_per_token(cfg) == V3_FP8_FLOPS_PER_TOKEN
     cluster = load_cluster("2048xh800")
-    assert compute_peak(1e18, 0.0, cluster) == (cluster.peak_bf16_flops, COMPUTE_EFFICIENCY)
     tokens = 15360 * 4096
-    flops, fp8 = V3_FLOPS_PER_TOKEN * tokens, V3_FP8_FLOPS_PER_TOKEN * tokens
-    peak, eff = compute_peak(flops, fp8, cluster)
-    assert eff == COMPUTE_EFFICIENCY_FP8
-    assert cluster.peak_bf16_flops < peak < cluster.peak_fp8_flops
-    fp8_step = step_time(flops, cluster.devices, cluster, {}, 0.0, efficiency=eff, peak=peak)
-    bf16_step = step_time(flops, cluster.devices, cluster, {}, 0.0)
-    assert fp8_step.compute_s == pytest.approx(bf16_step.compute_s, rel=1e-12)
+    bf16_cfg, _ = load_config(["configs/models/deepseek_v3_671b.yaml"], ["data.seq_len=4096"])
+    bf16 = price_compute({k: f * tokens for k, f in flops_by_kernel(bf16_cfg).items()},
+                         cluster.devices, cluster)
+    assert bf16.peak == cluster.peak_bf16_flops
+    fp8 = price_compute({k: f * tokens for k, f in flops_by_kernel(cfg).items()},
+                        cluster.devices, cluster)
+    assert cluster.peak_bf16_flops < fp8.peak < cluster.peak_fp8_flops
+    split = flops_by_kernel(cfg)
+    by_hand = tokens / cluster.devices * (
+        split["attention"] / (cluster.peak_bf16_flops * cluster.attention_efficiency_bf16)
+        + split["gemm_bf16"] / (cluster.peak_bf16_flops * cluster.gemm_efficiency_bf16)
+        + (split["gemm_fp8"] + split["routed_fp8"])
+        / (cluster.peak_fp8_flops * cluster.gemm_efficiency_fp8))
+    assert fp8.seconds == pytest.approx(by_hand, rel=1e-12)
+    assert fp8.seconds < bf16.seconds  # FP8 is faster than bf16, by the kernel figures only
+    step = step_time(V3_FLOPS_PER_TOKEN * tokens, cluster.devices, cluster, {}, 0.0,
+                     efficiency=fp8.efficiency, peak=fp8.peak)
+    assert step.compute_s == pytest.approx(fp8.seconds, rel=1e-12)
 
 
 TOOL = Path(__file__).parents[2] / "tools" / "fp8_hlo.py"

@@ -16,20 +16,21 @@ def test_mosaic_grouped_gemm_and_flash_attention_flops():
         f"  %g = bf16[{rows},{n}]{{1,0}} custom-call(bf16[{rows},{k}] %x, bf16[{groups},{k},{n}] "
         '%w, s32[19] %s), custom_call_target="mosaic_gpu_v2", '
         'metadata={op_name="moe/grouped_matmul/ragged_dot_sm90/mpmd_map"}')
-    assert kernel_flops(gemm, {}) == 2 * rows * k * n
+    assert kernel_flops(gemm, {}) == ("gemm", 2 * rows * k * n)
     # the weight gradient: [K, M] x [M, N] -> [G, K, N], still 2 M K N
     dw = parse_instruction(
         f"  %d = bf16[{groups},{k},{n}]{{2,1,0}} custom-call(s32[4] %a, s32[4] %b, "
         f"bf16[{k},{rows}] %xt, bf16[{rows},{n}] %dy), custom_call_target=\"mosaic_gpu_v2\", "
         'metadata={op_name="moe/grouped_matmul/ragged_contracting_dim_dot_sm90/mpmd_map"}')
-    assert kernel_flops(dw, {}) == 2 * rows * k * n
+    assert kernel_flops(dw, {}) == ("gemm", 2 * rows * k * n)
     b, s, h, hk, d, dv = 2, 128, 4, 2, 192, 128
     attn = parse_instruction(
         f"  %o = (bf16[{b},{s},{h},{dv}]{{3,2,1,0}}, f32[{b},{h},{s}]{{2,1,0}}) custom-call("
         f"bf16[{b},{s},{h},{d}] %q, bf16[{b},{s},{hk},{d}] %k, bf16[{b},{s},{hk},{dv}] %v), "
         'custom_call_target="mosaic_gpu_v2", '
         'metadata={op_name="jvp()/attention/flash_attention_sm90/mpmd_map"}')
-    assert kernel_flops(attn, {}) == pytest.approx(2 * b * h * s * s * (d + dv) / 2, rel=1e-12)
+    assert kernel_flops(attn, {}) == ("attention",
+                                      pytest.approx(2 * b * h * s * s * (d + dv) / 2, rel=1e-12))
     other = parse_instruction('  %t = f32[8]{0} custom-call(f32[8] %z), custom_call_target="TopK"')
     assert kernel_flops(other, {}) is None
 
@@ -66,4 +67,4 @@ ENTRY %main (w: f32[{layers},{width}], i: s32[]) -> f32[{layers},{width}] {{
     row, index = width * 4, 4
     assert cost.hbm_bytes(fused["f"]) == row + index + row  # read a row (and i), write a row
     assert cost.hbm_bytes(fused["u"]) == row + index + row  # read the update (and i), write it
-    assert cost.flops(fused["f"]) == 0 and not cost.uncounted
+    assert cost.flops(fused["f"]) == (0.0, 0.0) and not cost.uncounted

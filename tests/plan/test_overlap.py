@@ -3,7 +3,7 @@
 Each expected figure is derived here from the module docstring's rule and the shapes in the text:
 a collective's time is its bytes (collectives.py's all-gather convention, (n-1) x operand per
 device) over the link's bandwidth; a compute op's is max(FLOPs / flops, bytes / HBM bandwidth)
-with a dot's FLOPs 2 M N K and its bytes operands + result. Tolerance: float rounding (rel 1e-9).
+with a dot's FLOPs 2 M N K (at the GEMM rate) and its bytes operands + result. Tolerance: float rounding (rel 1e-9).
 """
 
 import io
@@ -17,11 +17,12 @@ from maxmoe.plan.planner import plan
 from maxmoe.plan.roofline import step_time
 from tests.plan.test_roofline import TOY
 
-RATES = Rates(flops=1e9, hbm_bandwidth=2e9, ici_bandwidth=4e6, dcn_bandwidth=1e6)
+RATES = Rates(gemm_flops=1e9, attention_flops=5e8, hbm_bandwidth=2e9, ici_bandwidth=4e6,
+              dcn_bandwidth=1e6)
 HOST = 4  # devices per host: {0,1} share a host (ici), {0,4} do not (dcn)
 ICI, DCN = "{{0,1},{2,3},{4,5},{6,7}}", "{{0,4},{1,5},{2,6},{3,7}}"
 M = 64  # the fused dot is [M, M] x [M, M], float32
-DOT_S = max(2 * M**3 / RATES.flops, 3 * M * M * 4 / RATES.hbm_bandwidth)
+DOT_S = max(2 * M**3 / RATES.gemm_flops, 3 * M * M * 4 / RATES.hbm_bandwidth)
 
 FUSED = f"""%fused_dot (x: f32[{M},{M}], y: f32[{M},{M}]) -> f32[{M},{M}] {{
   %x = f32[{M},{M}]{{1,0}} parameter(0)

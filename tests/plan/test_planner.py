@@ -172,6 +172,12 @@ def test_a_mesh_that_does_not_match_the_cluster_exits_2_before_compiling(capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "mesh" in err
 
 
+def test_a_load_imbalance_below_one_exits_2_naming_the_flag(capsys):
+    code = main(["plan", "configs/tiny.yaml", "--cluster", "8xh100", "--load-imbalance", "0.9"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--load-imbalance 0.9" in err
+
+
 @pytest.mark.slow
 def test_plan_search_small_preset_on_64_devices_end_to_end(tmp_path, capsys):
     """--search on a fake 64-device cluster: compiles the best layout, prints the table
@@ -190,10 +196,17 @@ def test_plan_search_small_preset_on_64_devices_end_to_end(tmp_path, capsys):
         assert key in best
     assert best["peak_bytes_per_device"] <= 0.8 * best["device_memory_bytes"]
     # the step's parts under their own keys add up to it; bytes across hosts are the dcn column
+    # with the expert all-to-all as routing sends it (its compiled capacity shown beside it)
     parts = best["compute_s"] + best["exposed_communication_s"] + best["bubble_s"]
     assert parts == pytest.approx(best["step_time_s"])
-    assert best["cross_host_bytes_per_device_per_step"] == pytest.approx(sum(
-        k["dcn"] for kinds in best["collective_bytes_per_step"].values() for k in kinds.values()))
+    compiled = sum(k["dcn"] for kinds in best["collective_bytes_per_step"].values()
+                   for k in kinds.values())
+    assert best["cross_host_bytes_per_device_per_step_compiled"] == pytest.approx(compiled)
+    a2a = best["expert_all_to_all_bytes_per_device_per_step"]
+    routed = (a2a["routed"] or a2a["compiled_capacity"])["dcn"]
+    assert best["cross_host_bytes_per_device_per_step"] == pytest.approx(
+        compiled - a2a["compiled_capacity"]["dcn"] + routed)
+    assert "gemm_bf16 0.803" in best["compute_efficiency_source"]  # the h100 file's figure
     assert best["tokens_per_step"] == 64 * 128 and best["overlap_source"] == "assumed"
     check = best["flops_check"]  # compiled vs model FLOPs; XLA:CPU's blocked stand-in has
     assert check["compiled_flops_per_device"] > 0  # data-dependent block loops: not judged

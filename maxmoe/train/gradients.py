@@ -1,0 +1,156 @@
+"""The step's gradients: microbatch accumulation, and the compute copy of mesh.weights.
+
+`make_gradients` returns (params, batch, buffers, scale_state) -> (grads, metrics) of the whole
+batch over train.grad_accum_steps microbatches. Under mesh.weights zero1 / hsdp the
+microbatches read a compute copy of the params (`ComputeCopy`, laid out by
+`sharding.compute_axes`) made once per step, and their gradients are summed in that layout,
+so the reduction over the data-parallel axes runs once per step rather than per microbatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+
+from maxmoe.config import Config
+from maxmoe.model.transformer import DTYPES, LossShare, load_summary, loss_token_counts
+from maxmoe.parallel.row_groups import combine_stacked
+from maxmoe.sharding import compute_copy, compute_shardings
+from maxmoe.train.precision import make_loss_scaler
+from maxmoe.validation import dcn_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeCopy:
+    """mesh.weights zero1 / hsdp: the params compute reads, made once per step from the
+    float32 state (sharding.compute_axes), and where their gradients go back to."""
+    weights: str
+    dcn: dict  # mesh axis -> its DCN factor (hsdp keeps the others' storage split)
+    shardings: Any  # NamedSharding per param: the copy's layout (replicated over data, fsdp)
+    dtypes: Any  # per param: the compute dtype, float32 where the model reads float32
+    stored: Any  # NamedSharding per param: the train state's layout (ZeRO-3 over all axes)
+
+
+def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, stored):
+    """The ComputeCopy of `cfg` (None under mesh.weights=zero3) for the params `abstract_vars`
+    (an nnx.State of nnx.Params) stored at `stored`."""
+    if cfg.mesh.weights == "zero3":
+        return None
+    dcn = dcn_sizes(cfg)
+    copy = nnx.to_pure_dict(compute_shardings(abstract_vars, mesh, cfg.mesh.rules,
+                                              cfg.mesh.weights, dcn))
+    compute = DTYPES[cfg.precision.compute_dtype]
+    dtypes = nnx.to_pure_dict(jax.tree.map(
+        lambda v: v.replace(jnp.float32 if v.get_metadata().get("compute_float32") else compute),
+        abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored)
+
+
+# microbatch metrics summed into the step's under gradient accumulation (accumulated)
+SUMMED = ("loss", "ce_loss", "mtp_loss", "balance_loss", "z_loss", "sequence_balance_loss",
+          "dropped_fraction", "expert_load")
+
+
+def accumulated(metrics: dict) -> dict:
+    """Metrics stacked over microbatches [A, ...] (each from the model's loss under a
+    LossShare) -> the whole step's, the values one unsplit batch gives:
+
+    - SUMMED: the loss terms and dropped_fraction, already weighted by the share (tokens for
+      cross-entropies, 1 / A for position means), and expert_load, a count;
+    - expert_load_max / _min, load_max_mean_ratio_max: recomputed from the summed load (a
+      max of microbatch maxima would not be the step's);
+    - ROOT_MEAN_SQUARE (row_groups): the residual RMS per layer, root of the mean square over
+      microbatches (each holds the same number of positions);
+    - MAXED (row_groups): dispatch_rounds, the rounds the worst microbatch needed;
+    - anything else: the mean over microbatches (router_entropy and
+      dropped_fraction_by_layer: exactly the step's, as every microbatch has as many tokens
+      and assignments).
+
+    row_groups.combine_stacked applies these rules."""
+    out = combine_stacked(metrics, summed=SUMMED)
+    if "expert_load" in out:
+        out.update(load_summary(out["expert_load"]))
+    return out
+
+
+def make_gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | None = None):
+    """(params, batch, buffers, scale_state) -> (grads, metrics) of the whole batch, computed
+    over train.grad_accum_steps microbatches (a scan), the loss scaled under float16.
+
+    Each microbatch's loss is weighted by its share of the step (LossShare: loss tokens for
+    the cross-entropies), so the summed gradients equal the unsplit batch's; exactly so for
+    every loss term but the Switch balance loss (moe.aux_loss_weight), a product of batch
+    means, which becomes the mean of the microbatches' balance losses.
+
+    With a ComputeCopy (mesh.weights zero1 / hsdp) the microbatches read `copy`'s params, made
+    once, and add their gradients in float32 in the copy's layout: replicated over the data
+    parallel axes, so each device sums its own rows' partial gradients and one reduction per
+    step (all-reduce or reduce-scatter, in the compute dtype) brings them to the state's layout.
+    XLA:GPU hoists that reduction out of the accumulation loop (its while-loop all-reduce code
+    motion); XLA:CPU does not, so a CPU plan counts it once per microbatch."""
+    gradients = _gradients(cfg, graphdef, micro_spec, copy)
+    if copy is None:
+        return gradients
+
+    def on_copy(params, batch, buffers, scale_state):
+        params = _constrained(jax.tree.map(lambda p, t: p.astype(t), params, copy.dtypes),
+                              copy.shardings)
+        with compute_copy(copy.weights, copy.dcn):
+            grads, metrics = gradients(params, batch, buffers, scale_state)
+        return _constrained(grads, copy.stored), metrics
+
+    return on_copy
+
+
+def _constrained(tree, shardings):
+    return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
+
+
+def _gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | None):
+    """make_gradients' accumulation; under a ComputeCopy the float32 sums stay in its layout."""
+    accum = cfg.train.grad_accum_steps
+    scaler = make_loss_scaler(cfg.precision)
+
+    def in_layout(grads):  # float32 sums, kept in the copy's layout (no reduction inside)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return grads if copy is None else _constrained(grads, copy.shardings)
+
+    def loss_fn(params, batch, buffers, scale_state, share=None):
+        loss, metrics = nnx.merge(graphdef, params, *buffers).loss(batch, share)
+        if scaler is not None:  # float16: scale so small gradients survive the backward pass
+            loss = scaler.scale(loss, scale_state)
+        return loss, metrics
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def gradients(params, batch, buffers, scale_state):
+        if accum == 1:
+            (_, metrics), grads = grad_fn(params, batch, buffers, scale_state)
+            return in_layout(grads), metrics
+
+        def split(x):  # [B, ...] -> [A, B/A, ...]; microbatch j takes rows j, j+A, ...
+            x = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+            return jax.lax.with_sharding_constraint(x, P(*micro_spec[: x.ndim]))
+
+        share = LossShare(loss_token_counts(batch, cfg.model.mtp_depth), accum)
+
+        def body(acc, micro):
+            # the copy pinned inside the loop too: else XLA may carry the stored layout in
+            # and gather at every microbatch
+            read = params if copy is None else _constrained(params, copy.shardings)
+            (_, metrics), grads = grad_fn(read, micro, buffers, scale_state, share)
+            return in_layout(jax.tree.map(jnp.add, in_layout(acc), in_layout(grads))), metrics
+
+        zeros = in_layout(jax.tree.map(jnp.zeros_like, params))
+        grads, metrics = jax.lax.scan(body, zeros, jax.tree.map(split, batch))
+        grads = in_layout(grads)  # the loop's result too: else XLA shards its carry
+        return grads, accumulated(metrics)
+
+    return gradients
+
+

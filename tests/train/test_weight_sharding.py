@@ -1,0 +1,117 @@
+"""mesh.weights (zero3 | zero1 | hsdp) changes where compute reads the weights and when
+gradients are reduced, never what the step computes or what the state holds.
+
+Properties:
+- every mode's accumulated gradients (train.grad_accum_steps=2) on 8 devices equal one
+  device's, float32 compute, to rtol 1e-4 / atol 1e-6 (the equivalence matrix's tolerance:
+  only the order of float32 sums differs); loss within 1e-5 relative;
+- the compute copy's layout (sharding.compute_axes): zero1 replicates every param over data
+  and fsdp but keeps the experts over the expert axis and a stack over the stages; hsdp adds
+  back only the storage axes that stay inside a host;
+- the train state is placed the same in every mode, so a checkpoint saved under one restores
+  under another (checkpoints stay layout-independent).
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from maxmoe.sharding import compute_axes, make_mesh, use_mesh
+from maxmoe.train.gradients import make_gradients
+from maxmoe.train.step import state_layout
+from maxmoe.validation import dcn_sizes, validate
+from tests.helpers import random_batch, small_config
+
+ACCUM = ["train.grad_accum_steps=2"]
+LAYOUTS = {
+    "data2_fsdp2_expert2": ["mesh.fsdp=2", "mesh.expert=2"],
+    # 2 hosts of 4: fsdp across hosts, expert inside; hsdp keeps the expert split in the copy
+    "fsdp2dcn_expert4": ["mesh.fsdp=2", "mesh.dcn_fsdp=2", "mesh.expert=4"],
+    "pipeline2_expert2_fsdp2": ["model.num_layers=5", "mesh.pipeline=2", "mesh.expert=2",
+                                "mesh.fsdp=2", "model.pipeline_microbatches=4",
+                                "data.global_batch_size=32"],
+}
+
+
+def gradients(overrides, batch, num_devices):
+    """(loss, grads) of the first step's accumulated gradients on num_devices devices."""
+    cfg, origins = small_config(*overrides)
+    sizes = validate(cfg, num_devices, origins)
+    mesh = make_mesh(sizes, jax.devices()[:num_devices], dcn=dcn_sizes(cfg))
+    layout = state_layout(cfg, mesh)
+    with use_mesh(mesh, cfg.mesh.rules):
+        micro = P(None, *jax.sharding.NamedSharding(mesh, P()).spec)
+        state = jax.jit(layout.init_state, out_shardings=layout.shardings)()
+        grad_fn = make_gradients(cfg, layout.graphdef, micro, layout.compute)
+        buffers = (state["buffers"],) if "buffers" in state else ()
+        grads, metrics = jax.jit(grad_fn)(state["params"], batch, buffers, None)
+    return jax.device_get((metrics["loss"], grads))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cache = {}
+
+    def get(layers):
+        if layers not in cache:
+            cfg, _ = small_config(*ACCUM, *layers)
+            batch = random_batch(cfg)
+            cache[layers] = batch, gradients([*ACCUM, *layers], batch, 1)
+        return cache[layers]
+    return get
+
+
+@pytest.mark.parametrize("weights", ["zero1", "hsdp"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_weight_modes_match_one_device(name, weights, reference):
+    layers = tuple(o for o in LAYOUTS[name] if o.startswith(("model.", "data.")))
+    batch, (ref_loss, ref_grads) = reference(layers)
+    loss, grads = gradients([*ACCUM, *LAYOUTS[name], f"mesh.weights={weights}"], batch, 8)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    for (path, g_ref), g in zip(flat_ref, jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_compute_axes_by_mode():
+    rules = {"experts": ["expert"], "embed": ["fsdp"], "expert_mlp": ["tensor"],
+             "layers": ["pipeline"], "stage": ["pipeline"], "heads": ["tensor"]}
+    sizes = {"data": 2, "fsdp": 4, "pipeline": 1, "expert": 2, "tensor": 1}
+    dcn = {"data": 2}  # data across hosts, fsdp and expert inside
+    expert_w = (("experts", "embed", "expert_mlp"), (8, 64, 32))
+    attn_w = (("embed", "heads"), (64, 4))
+    def axes(mode):
+        return {n: compute_axes(logical, rules, sizes, shape, mode, dcn)
+                for n, (logical, shape) in {"e": expert_w, "a": attn_w}.items()}
+    store, zero1, hsdp = axes("zero3"), axes("zero1"), axes("hsdp")
+    used = {n: {a for ax in v for a in ax} for n, v in store.items()}
+    assert used["e"] == used["a"] == {"data", "fsdp", "expert"}  # ZeRO-3: every axis
+    assert zero1["e"] == [("expert",), (), ()] and zero1["a"] == [(), ()]
+    # hsdp: fsdp (inside a host) back on the dim storage put it; data (across hosts) never
+    for n in ("e", "a"):
+        assert all("data" not in ax for ax in hsdp[n])
+        assert {a for ax in hsdp[n] for a in ax} == used[n] - {"data"}
+
+
+def test_stack_keeps_its_stages_under_zero1():
+    """A 3-layer stack on 2 stages: storage puts the stages on another dim; the zero1 copy
+    keeps them there (each device holds its stage's share, not the whole stack)."""
+    rules = {"experts": ["expert"], "embed": ["fsdp"], "layers": ["pipeline"],
+             "stage": ["pipeline"]}
+    sizes = {"data": 1, "fsdp": 2, "pipeline": 2, "expert": 2, "tensor": 1}
+    logical, shape = ("layers", "experts", "embed"), (3, 4, 64)
+    axes = compute_axes(logical, rules, sizes, shape, "zero1", {})
+    assert axes[0] == () and "pipeline" in {a for ax in axes for a in ax}
+    assert all("fsdp" not in ax for ax in axes)
+
+
+@pytest.mark.parametrize("weights", ["zero1", "hsdp"])
+def test_state_is_placed_alike_in_every_mode(weights):
+    overrides = LAYOUTS["pipeline2_expert2_fsdp2"]
+    cfg, origins = small_config(*overrides)
+    other, _ = small_config(*overrides, f"mesh.weights={weights}")
+    sizes = validate(cfg, 8, origins)
+    mesh = make_mesh(sizes, jax.devices()[:8])
+    assert state_layout(cfg, mesh).shardings == state_layout(other, mesh).shardings
