@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 from jax.sharding import Mesh
@@ -52,7 +52,7 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective
 # the rounds loop itself: op_name ".../exchange_rounds/while", or with the custom_vjp's call
 # between them (".../exchange_rounds/eval_jaxpr/while" from XLA:GPU, ".../closed_call/while"
 # from XLA:CPU); loops inside its body (".../while/body/...") are not it
-_ROUNDS_LOOP = re.compile(
+ROUNDS_LOOP = re.compile(
     rf'op_name="[^"]*/{ROUNDS_SCOPE}/(?:(?:eval_jaxpr|closed_call)/)*while"')
 
 _OPCODE_KIND = {k: k for k in KINDS} | {"ragged-all-to-all": "all-to-all"}
@@ -272,7 +272,7 @@ def _walk(ctx: _Context, warnings: list[str]):
                 trip = known_trip_count(ins)
                 inner = sum(v.sum() for b in subs for v in b.values())
                 if trip is not None:  # the rounds loop: once (module docstring)
-                    times = 1.0 if _ROUNDS_LOOP.search(ins.attrs) else float(trip)
+                    times = 1.0 if ROUNDS_LOOP.search(ins.attrs) else float(trip)
                 elif inner > 0:
                     warnings.append(f"while {ins.name}: no known trip count, its collectives "
                                     f"({inner:.4g} bytes per iteration) counted once")
@@ -281,6 +281,16 @@ def _walk(ctx: _Context, warnings: list[str]):
         return total
 
     return cost
+
+
+def instruction_pricer(comps: dict[str, list[Instr]], mesh: Mesh,
+                       devices_per_host: int) -> Callable[[Instr, str], Bytes]:
+    """price(ins, computation) -> {(axis label, kind): [ici, dcn]}: the mesh-averaged bytes one
+    execution of one collective instruction (plain or -start) of `computation` sends, by the
+    module docstring's convention; {} for any other instruction. For plan/overlap.py, which
+    times each collective of the schedule on its own."""
+    ctx = _Context(comps, _Topology(mesh, devices_per_host))
+    return lambda ins, comp: _collective(ins, ctx, comp)
 
 
 def collective_bytes(hlo_text: str, mesh: Mesh, devices_per_host: int) -> CommBytes:

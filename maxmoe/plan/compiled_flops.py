@@ -73,8 +73,9 @@ def _dims(type_: str) -> list[int]:
     return [int(d) for d in m.group(1).split(",") if d] if m else []
 
 
-def _matmul(ins: Instr, types: dict[str, str]) -> float | None:
-    """FLOPs of one dot or cuBLAS GEMM custom call; None for any other instruction."""
+def instruction_flops(ins: Instr, types: dict[str, str]) -> float | None:
+    """FLOPs of one dot or cuBLAS GEMM custom call (types: instruction name -> result shape
+    text, for the lhs); None for any other instruction."""
     if ins.opcode == "dot":
         contracting = attr(ins.attrs, "lhs_contracting_dims") or "{}"
     elif ins.opcode == "custom-call" and _GEMM.search(ins.attrs):
@@ -95,7 +96,7 @@ def matmul_flops(hlo_text: str) -> Tally:
     def cost(name: str) -> Tally:
         total, types = Tally(), {ins.name: ins.type for ins in comps[name]}
         for ins in comps[name]:
-            flops = _matmul(ins, types)
+            flops = instruction_flops(ins, types)
             if flops is not None:
                 total.flops += flops
             elif ins.opcode == "custom-call" and (call := _CALL.search(ins.attrs)):

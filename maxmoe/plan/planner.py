@@ -13,6 +13,7 @@ from maxmoe.config_files import load_config
 from maxmoe.plan import gpu_aot, search
 from maxmoe.plan.collectives import CommBytes, summarize
 from maxmoe.plan.compiled_flops import check_line
+from maxmoe.plan.overlap import overlap_line
 from maxmoe.plan.probe import COMPILERS, GPU_STAND_INS, ProbeFailed, run_probe
 from maxmoe.plan.report import GIB, mesh_text, plan_figures, table, write_config
 from maxmoe.plan.roofline import parse_tokens
@@ -59,7 +60,8 @@ def plan(items: list[str], cluster_spec: str, *, tokens: str = "", search_layout
         candidates = [(overrides, None)]
     rows = []
     for extra, estimate in candidates:
-        measured = compile_layout(files + extra, cluster, timeout_s, out, compiler)
+        measured = compile_layout(files + extra, cluster, timeout_s, out, compiler,
+                                  load_imbalance)
         if measured is None:
             continue
         figures = plan_figures(measured, cluster, tokens=token_count, steps=cfg.train.steps,
@@ -112,12 +114,13 @@ def check_compiler(compiler: str, cluster: Cluster) -> None:
 
 
 def compile_layout(items: list[str], cluster: Cluster, timeout_s: float, out: TextIO,
-                   compiler: str = "cpu") -> dict | None:
-    """probe.run_probe on the cluster's device count; a failed compile prints one line and
-    returns None (an invalid layout raises ConfigError)."""
+                   compiler: str = "cpu", load_imbalance: float | None = None) -> dict | None:
+    """probe.run_probe on the cluster's device count (and, for XLA:GPU's schedule, the cluster
+    and load imbalance); a failed compile prints one line and returns None (an invalid layout
+    raises ConfigError)."""
     try:
         return run_probe(items, cluster.devices, cluster.hosts, cluster.devices_per_host,
-                         timeout_s, compiler, cluster.kind)
+                         timeout_s, compiler, cluster.kind, cluster, load_imbalance)
     except ProbeFailed as e:
         print(f"plan: skipped a layout: {e}", file=out)
         return None
@@ -175,6 +178,7 @@ def describe(best: dict, cluster: Cluster, out: TextIO, title: str = "best") -> 
             f"routing sends it ({a2a['routed']['dcn'] / 1e9:.1f} across hosts), "
             f"{sum(a2a['compiled_capacity'].values()) / 1e9:.1f} GB of compiled buffers; "
             "priced at the routed bytes x the load imbalance")
+    say("  " + overlap_line(best.get("overlap")))
     if best.get("flops_check"):
         say("  " + check_line(best["flops_check"]))
     if best["device_hours"] is not None:

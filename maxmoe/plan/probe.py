@@ -14,11 +14,13 @@ differs from the GPU's, the probe compiles the GPU's choice where XLA:CPU can, a
 closest form XLA:CPU compiles (GPU_STAND_INS says which and why). compiler "gpu" compiles with
 XLA:GPU on deviceless GPUs of the cluster's kind (gpu_aot.py; needs jax's CUDA plugin) the
 config's own kernels, `auto` resolved for those GPUs as a run there resolves it (tokamax's
-Mosaic GPU kernels on NVIDIA GPUs), lowered inside kernel_device so that tokamax sees them.
+Mosaic GPU kernels on NVIDIA GPUs), lowered inside kernel_device so that tokamax sees them; given
+the cluster, it also reads the communication the compiled schedule leaves exposed (overlap.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +34,7 @@ import jax
 import numpy as np
 
 from maxmoe.bench import memory_analysis
+from maxmoe.cluster import Cluster
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.kernels.tokamax_ops import kernel_device
@@ -41,6 +44,8 @@ from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.compiled_flops import flops_check
 from maxmoe.plan.hlo import dtype_bytes
+from maxmoe.plan.overlap import cluster_rates, schedule_overlap
+from maxmoe.plan.report import compute_price, expert_all_to_all, priced_collectives
 from maxmoe.plan.search import routed_dispatch_bytes
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
@@ -180,16 +185,36 @@ def kernel_calls(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
-            compiler: str = "cpu", kind: str = "") -> dict:
+            compiler: str = "cpu", kind: str = "", cluster: Cluster | None = None,
+            load_imbalance: float | None = None) -> dict:
     """Figures of one layout (module docstring); runs in the probe's own process, whose fake
     CPU device count it sets (compiler "cpu"), or on `devices` deviceless GPUs of the cluster's
-    device `kind` (compiler "gpu"). Raises ConfigError before compiling when the layout is
-    invalid or the GPU target or plugin is missing."""
+    device `kind` (compiler "gpu"). With compiler "gpu" and the `cluster`, also "overlap"
+    (overlap_figures). Raises ConfigError before compiling when the layout is invalid or the
+    GPU target or plugin is missing."""
     t = time.perf_counter()
     setup, compiled, kernels = compile_step(items, devices, hosts, compiler, kind)
     result = compiled_figures(setup, compiled, devices_per_host)
     result.update(kernels, compile_s=round(time.perf_counter() - t, 1))
+    if compiler == "gpu" and cluster is not None:
+        result["overlap"] = overlap_figures(compiled.as_text(), setup.trainer.mesh,
+                                            devices_per_host, cluster, result, load_imbalance)
     return result
+
+
+def overlap_figures(hlo_text: str, mesh, devices_per_host: int, cluster: Cluster,
+                    measured: dict, load_imbalance: float | None) -> dict:
+    """overlap.schedule_overlap's JSON for a compiled XLA:GPU step on the cluster, the expert
+    all-to-all timed at the bytes the plan prices it at (report.priced_collectives: balanced
+    routed bytes x the load imbalance, per link, over the compiled buffers')."""
+    _, imbalance, _, _ = compute_price(measured, cluster, load_imbalance)
+    comm = measured["collectives"]
+    compiled = expert_all_to_all(comm)
+    priced = expert_all_to_all(priced_collectives(comm, measured.get("routed_dispatch_bytes"),
+                                                  imbalance))
+    scale = {link: priced[link] / n for link, n in compiled.items() if n > 0}
+    return schedule_overlap(hlo_text, mesh, devices_per_host, cluster_rates(cluster),
+                            scale).to_json()
 
 
 def compile_step(items: list[str], devices: int, hosts: int, compiler: str = "cpu",
@@ -279,12 +304,14 @@ def child_env() -> dict[str, str]:
 
 
 def run_probe(items: list[str], devices: int, hosts: int, devices_per_host: int,
-              timeout_s: float = 900, compiler: str = "cpu", kind: str = "") -> dict:
+              timeout_s: float = 900, compiler: str = "cpu", kind: str = "",
+              cluster: Cluster | None = None, load_imbalance: float | None = None) -> dict:
     """measure() in a subprocess. Raises ConfigError for an invalid layout (the child's one
     line), ProbeFailed when the child dies or times out."""
     request = json.dumps({"items": items, "devices": devices, "hosts": hosts,
                           "devices_per_host": devices_per_host, "compiler": compiler,
-                          "kind": kind})
+                          "kind": kind, "cluster": cluster and dataclasses.asdict(cluster),
+                          "load_imbalance": load_imbalance})
     t = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "maxmoe.plan.probe", request],
@@ -307,7 +334,9 @@ def main() -> int:
     try:
         result = measure(request["items"], request["devices"], request["hosts"],
                          request["devices_per_host"], request.get("compiler", "cpu"),
-                         request.get("kind", ""))
+                         request.get("kind", ""),
+                         request.get("cluster") and Cluster(**request["cluster"]),
+                         request.get("load_imbalance"))
     except ConfigError as e:
         print(f"maxmoe: error: {e}", file=sys.stderr)
         return 2

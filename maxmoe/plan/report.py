@@ -76,8 +76,10 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
     peak = price.peak
     routed = measured.get("routed_dispatch_bytes")
     priced = priced_collectives(comm, routed, imbalance)
+    overlap = measured.get("overlap")  # read from XLA:GPU's schedule (overlap.py), if compiled so
     step = step_time(flops, devices, cluster, priced, measured["bubble"],
-                     efficiency=price.efficiency, peak=peak)
+                     efficiency=price.efficiency, peak=peak,
+                     exposed_comm_s=overlap["exposed_communication_s"] if overlap else None)
     speed = throughput(step, measured["tokens_per_step"], flops, devices, peak)
     bill = cost(step.step_s, measured["tokens_per_step"], devices, cluster, tokens=tokens,
                 steps=None if tokens else steps)
@@ -118,7 +120,9 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
         "load_imbalance": imbalance, "load_imbalance_source": imbalance_source,
         "compute_efficiency": price.efficiency, "compute_efficiency_source": price.source,
         "recompute_factor": recompute,
-        "overlap_source": "assumed",  # roofline.COMM_OVERLAP, not read from a schedule
+        # "schedule": exposed_communication_s read from XLA:GPU's compiled schedule ("overlap"
+        # says how); "assumed": roofline.COMM_OVERLAP
+        "overlap_source": "schedule" if overlap else "assumed", "overlap": overlap,
         "tokens_per_second": speed.tokens_per_s, "mfu": speed.mfu,
         "model_flops_fp8_per_step": measured.get("model_flops_fp8_per_step", 0.0),
         "mfu_peak_flops_per_device": peak,  # bf16, or the FP8 step's effective peak

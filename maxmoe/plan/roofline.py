@@ -145,7 +145,8 @@ def routed_all_to_all_bytes(tokens: float, experts_per_token: int, hidden: int,
 # asynchronously beside the neighbouring layers' compute, so those hide well; the MoE
 # dispatch/combine all-to-alls sit on the critical path between router and experts and hide only
 # where micro-batches are interleaved (DeepSeek's DualPipe), which maxmoe does not do. Half is an
-# assumption between those two until a GPU profile measures it (docs/performance.md).
+# assumption between those two until a GPU profile measures it (docs/performance.md). XLA:GPU
+# plans read the exposed time from the compiled schedule instead (plan/overlap.py).
 COMM_OVERLAP = 0.5
 
 LINKS = ("ici", "dcn")
@@ -204,7 +205,8 @@ def link_bytes(collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]]
 def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
               collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]],
               idle_fraction: float, *, efficiency: float = FALLBACK_EFFICIENCY,
-              overlap: float = COMM_OVERLAP, peak: float | None = None) -> StepTime:
+              overlap: float = COMM_OVERLAP, peak: float | None = None,
+              exposed_comm_s: float | None = None) -> StepTime:
     """Roofline step time of `devices` devices of `cluster` for a step of
     `model_flops_per_step` FLOPs (all devices together): compute at `efficiency` x `peak`
     (default the dense bf16 peak; price_compute gives both, per kernel class); each link class's
@@ -212,7 +214,8 @@ def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
     under compute. `idle_fraction` f is the share of the pipelined step a stage idles
     (model.spec.pipeline_idle: (P-1) / (V M + P-1) with padding): busy for the compute, idle
     for f of the total, so the bubble adds f / (1 - f) x compute (P = M = 16: 0.94x, not the
-    0.48x that f x compute gave)."""
+    0.48x that f x compute gave). `exposed_comm_s`, where given (read from XLA:GPU's compiled
+    schedule, plan/overlap.py), is the exposed communication instead of `overlap`'s."""
     if devices < 1 or not 0 < efficiency <= 1 or not 0 <= overlap <= 1 \
             or not 0 <= idle_fraction < 1:
         raise ValueError(f"step_time: devices={devices}, efficiency={efficiency}, "
@@ -221,7 +224,8 @@ def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
     compute = model_flops_per_step / (devices * peak * efficiency)
     sent = link_bytes(collective_bytes)
     ici, dcn = sent["ici"] / cluster.ici_bandwidth, sent["dcn"] / cluster.dcn_bandwidth
-    exposed = (ici + dcn) - min(overlap * (ici + dcn), compute)
+    exposed = (ici + dcn) - min(overlap * (ici + dcn), compute) if exposed_comm_s is None \
+        else exposed_comm_s
     bubble = idle_fraction / (1 - idle_fraction) * compute
     return StepTime(compute_s=compute, ici_s=ici, dcn_s=dcn, exposed_comm_s=exposed,
                     bubble_s=bubble, step_s=compute + exposed + bubble)
