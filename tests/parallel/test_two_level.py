@@ -126,6 +126,33 @@ def test_gpu_form_compiles_for_gpu_without_a_device(kernel):
     assert kernel == "blocked" or unknown_trip_loops(hlo) == []
 
 
+@pytest.mark.gpu_aot
+def test_gpu_form_compiles_for_gpu_under_the_pipelines_vmap():
+    """Both hops' ragged exchanges inside vmap(spmd_axis_name="pipeline") around the shard_map,
+    as parallel/pipeline.py runs its stages (pipeline 2 x expert 4 deviceless H100s, 2 hosts
+    of 2 on the expert axis): XLA:GPU compiles it, forward and backward, with ragged
+    all-to-alls inside each stage's expert group (jax alone refuses to batch them:
+    parallel/grouped.py)."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
+    mesh = jax.sharding.Mesh(np.asarray(gpu_devices(8, "h100")).reshape(2, 4),
+                             ("pipeline", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, grouped_matmul="ragged_dot")
+    shards = ExpertShards(axes=("expert",), sizes=(4,), gathered=("expert",), sync=("expert",))
+    stage_rows = jax.sharding.NamedSharding(mesh, P("pipeline", "expert"))
+    x, idx, weights, wg, wu, wd = _inputs(worst=False)
+    args = [jax.ShapeDtypeStruct((2, *a.shape), a.dtype, sharding=stage_rows) for a in (
+        x.reshape(-1, D), idx.reshape(-1, K), weights.reshape(-1, K), wg, wu, wd)]
+
+    def stage(*a):  # one stage: its tokens and its own experts, split over the expert axis
+        return jax.shard_map(lambda *b: TwoLevel(cfg, shards, hosts=2, ragged=True)(*b).y,
+                             mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"),
+                             check_vma=False)(*a)
+    stages = jax.vmap(stage, spmd_axis_name="pipeline")
+    hlo = jax.jit(jax.grad(lambda *a: jnp.sum(stages(*a)), argnums=(0, 2, 3))).lower(
+        *args).compile().as_text()
+    assert "ragged-all-to-all" in hlo
+
+
 TWO_LEVEL = ["moe.transport=two_level", "moe.num_groups=4", "moe.groups_per_token=2"]
 
 
