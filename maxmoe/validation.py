@@ -180,8 +180,7 @@ def check_model_shards(cfg: Config, sizes: dict[str, int], need: Need) -> None:
 
 def check_two_level(cfg: Config, sizes: dict[str, int], need: Need) -> None:
     """moe.transport=two_level (parallel/two_level.py): group-limited routing, one expert mesh
-    axis that also shards the batch, no pipeline stages, and whole expert groups on each of
-    its hosts."""
+    axis that also shards the batch, and whole expert groups on each of its hosts."""
     e, axes = cfg.moe, cfg.mesh.rules.get("experts", [])
     if e.transport != "two_level" or math.prod(sizes[a] for a in axes) == 1:
         return
@@ -193,11 +192,6 @@ def check_two_level(cfg: Config, sizes: dict[str, int], need: Need) -> None:
     need(len(axes) == 1 and axes[0] in cfg.mesh.rules.get("batch", []), "moe.transport",
          f"two_level splits one expert mesh axis that also shards the batch; mesh.rules.experts "
          f"is {axes}", f"map mesh.rules.experts to one axis of mesh.rules.batch {fix}")
-    stages = math.prod(sizes[a] for a in cfg.mesh.rules.get("stage", []))
-    # jax 0.10.2 cannot vmap an all_to_all with axis_index_groups (the pipeline vmaps stages)
-    need(stages == 1, "moe.transport", f"two_level does not run under the pipeline ({stages} "
-         "stages): jax cannot batch its grouped all_to_all over the stages",
-         f"set mesh.pipeline=1 {fix}")
     ep, hosts = sizes[axes[0]], e.expert_hosts or getattr(cfg.mesh, f"dcn_{axes[0]}")
     need(ep % hosts == 0 and e.num_groups % hosts == 0, "moe.transport",
          f"two_level puts whole expert groups on each host, but the {ep} expert shards span "

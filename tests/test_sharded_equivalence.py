@@ -120,10 +120,15 @@ MLA_LAYOUTS = {
     "expert8_two_level": LAYOUTS["expert8"] + TWO_LEVEL,
     "fsdp2_expert2_tensor2_two_level": LAYOUTS["fsdp2_expert2_tensor2"] + TWO_LEVEL,
 }
+# two_level under the pipeline (its grouped exchanges inside the stages' vmap): pipeline 2 x
+# expert 4, the expert axis 2 hosts x 2 devices, 4 microbatches
+PIPELINE_TWO_LEVEL = ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1",
+                      "model.pipeline_microbatches=4", *TWO_LEVEL]
 # all four axes at once need 2 x 2 x 2 x 2 = 16 devices: run in a process of its own
 SIXTEEN = ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"]
 REFERENCES = {"plain": [], "pipeline": PIPELINE, "drops": DROPS, "drops_by_weight": DROPS_BY_WEIGHT,
-              "pipeline_drops": PIPELINE + DROPS, "mla": MLA, "capacity": DISPATCH["capacity"]}
+              "pipeline_drops": PIPELINE + DROPS, "mla": MLA, "capacity": DISPATCH["capacity"],
+              "mla_pipeline": PIPELINE + MLA}
 # precision.fp8 over the layouts (float32 compute), against one device in the same mode: the
 # forward's loss and expert loads (module docstring, FP8). 2 layers (one dense, one MoE) cover
 # every FP8 projection: attention, dense MLP, shared and routed experts. Routed experts 256 wide
@@ -262,6 +267,13 @@ def test_deepseek_v3_features_match_single_device(name, references):
     """MLA, sigmoid group-limited routing with a selection bias, routed scaling, the sequence
     balance loss and MTP, sharded over expert, fsdp and tensor axes."""
     check(MLA + MLA_LAYOUTS[name], references("mla"))
+
+
+def test_two_level_under_the_pipeline_matches_single_device(references):
+    """moe.transport=two_level inside the pipeline's stages, with the MLA model's group-limited
+    routing and every router loss on."""
+    cfg, origins = check(PIPELINE + MLA + PIPELINE_TWO_LEVEL, references("mla_pipeline"))
+    assert_pipelined(cfg, origins)
 
 
 def first_loss(overrides, batch, num_devices: int):

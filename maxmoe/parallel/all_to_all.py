@@ -40,6 +40,7 @@ import numpy as np
 from maxmoe.kernels.blocked_mlp import block_expert_mlp, block_expert_mlp_accumulate
 from maxmoe.kernels.fp8 import NO_AXES, AmaxAxes, e4m3_wire
 from maxmoe.kernels.grouped_matmul import _stable_argsort, blocked_rows, dropless_local
+from maxmoe.parallel.grouped import batched_by_slices
 
 # the name scope of the rounds loops (forward and backward): the planner counts their
 # collectives once (plan/collectives.py), not once per static round
@@ -83,8 +84,8 @@ def exchange_counts(route: Route, counts):
     """counts [group] this device sends each member -> [group] each member sends here."""
     if not route.axes:
         return counts
-    return jax.lax.all_to_all(counts, route.axes, 0, 0, tiled=True,
-                              axis_index_groups=route.groups)
+    return _batchable(route.groups is not None, lambda c: jax.lax.all_to_all(
+        c, route.axes, 0, 0, tiled=True, axis_index_groups=route.groups))(counts)
 
 
 def worst_rounds(rows: int, k: int, num_local: int, cap: int) -> int:
@@ -118,16 +119,23 @@ def move_slots(route: Route, buf, send_sizes, recv_sizes, fill):
     if not route.axes:
         return buf
     if not route.ragged:
-        return jax.lax.all_to_all(buf, route.axes, 0, 0, tiled=False,
-                                  axis_index_groups=route.groups)
+        return _batchable(route.groups is not None, lambda b: jax.lax.all_to_all(
+            b, route.axes, 0, 0, tiled=False, axis_index_groups=route.groups))(buf)
     n, cap = buf.shape[:2]
     rows = buf.reshape(n * cap, *buf.shape[2:])
     offsets = jnp.arange(n, dtype=jnp.int32) * cap
-    out = jax.lax.ragged_all_to_all(
+    out = _batchable(True, lambda *a: jax.lax.ragged_all_to_all(
+        *a, axis_name=route.axes, axis_index_groups=route.groups))(
         rows, jnp.full_like(rows, fill), offsets, send_sizes.astype(jnp.int32),
-        jnp.full((n,), route.member() * cap, jnp.int32), recv_sizes.astype(jnp.int32),
-        axis_name=route.axes, axis_index_groups=route.groups)
+        jnp.full((n,), route.member() * cap, jnp.int32), recv_sizes.astype(jnp.int32))
     return out.reshape(buf.shape)
+
+
+def _batchable(wrap: bool, collective):
+    """collective, wrapped (wrap) so that it batches under the pipeline's vmap: jax refuses to
+    batch one over axis_index_groups, and its ragged_all_to_all rule fails on offsets that are
+    not batched (parallel/grouped.py)."""
+    return batched_by_slices(collective) if wrap else collective
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

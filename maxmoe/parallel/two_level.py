@@ -23,9 +23,17 @@ experts the token picked. So:
 Both hops are `lax.all_to_all` with `axis_index_groups` (hop 1 groups the devices of equal l,
 hop 2 those of one host); with route.ragged, `lax.ragged_all_to_all` sends only the filled
 rows of the same buffers (GPU/TPU; XLA:CPU cannot compile it, the dense form moves the same
-buffers): one algorithm on every platform. Not under the pipeline (validation refuses it):
-jax 0.10.2 cannot vmap an all_to_all with axis_index_groups, and collective permutes in its
-place deadlock XLA:CPU when stages run different round counts.
+buffers): one algorithm on every platform. Under the pipeline, whose vmap over the stages jax
+cannot batch a grouped collective through, each grouped exchange is wrapped by
+parallel/grouped.py's `batched_by_slices` (a custom vmap rule: one call per stage slice, so the
+HLO and its bytes are the unpipelined ones).
+
+Cross-host bytes against all_to_all: hop 1's buffers hold (H - 1) T rows bound for other
+hosts, all_to_all's (ep - L) cap >= (H - 1) / H c T K per exchange, a ratio of at most
+H / (c K) (c = moe.transport_buffer_factor); with H <= c groups_per_token that is at most
+groups_per_token / K. The rows routing fills (what the ragged form sends) are at most T
+groups_per_token (H - 1) / H against T K (H - 1) / H (docs/performance.md, two_level under
+the pipeline).
 """
 
 from __future__ import annotations

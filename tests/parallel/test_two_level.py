@@ -5,6 +5,11 @@ and gradients within rtol 1e-4, atol 1e-5 (only the order of float32 sums differ
 group-limited (4 groups of 2 experts, each token in at most 2 groups), random, and the worst
 case of hop 2 (every token to experts 0 and 1, both on host 0's device 0 when a device holds
 2 experts). One process stands in for H hosts (moe.expert_hosts).
+
+Under the pipeline: the compiled train step's cross-host bytes of the expert all-to-all
+against all_to_all's, bounded from the config (the test's docstring derives the bound); its
+equivalence with one device is tests/test_sharded_equivalence.py's (two_level under the
+pipeline).
 """
 
 import functools
@@ -12,14 +17,19 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import DEFAULT_RULES, ConfigError, MoEConfig
 from maxmoe.parallel.dispatch import ExpertShards, describe_transport, resolve_transport
 from maxmoe.parallel.two_level import TwoLevel
+from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.gpu_aot import gpu_devices, unknown_trip_loops
-from maxmoe.validation import validate
+from maxmoe.plan.probe import abstract_batch
+from maxmoe.sharding import make_mesh, use_mesh
+from maxmoe.train.step import make_trainer
+from maxmoe.validation import dcn_sizes, validate
 from tests.helpers import small_config
 from tests.parallel.test_dispatch import sharded_equals_one_device
 
@@ -116,6 +126,33 @@ def test_gpu_form_compiles_for_gpu_without_a_device(kernel):
     assert kernel == "blocked" or unknown_trip_loops(hlo) == []
 
 
+@pytest.mark.gpu_aot
+def test_gpu_form_compiles_for_gpu_under_the_pipelines_vmap():
+    """Both hops' ragged exchanges inside vmap(spmd_axis_name="pipeline") around the shard_map,
+    as parallel/pipeline.py runs its stages (pipeline 2 x expert 4 deviceless H100s, 2 hosts
+    of 2 on the expert axis): XLA:GPU compiles it, forward and backward, with ragged
+    all-to-alls inside each stage's expert group (jax alone refuses to batch them:
+    parallel/grouped.py)."""
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
+    mesh = jax.sharding.Mesh(np.asarray(gpu_devices(8, "h100")).reshape(2, 4),
+                             ("pipeline", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    cfg = MoEConfig(num_experts=E, experts_per_token=K, grouped_matmul="ragged_dot")
+    shards = ExpertShards(axes=("expert",), sizes=(4,), gathered=("expert",), sync=("expert",))
+    stage_rows = jax.sharding.NamedSharding(mesh, P("pipeline", "expert"))
+    x, idx, weights, wg, wu, wd = _inputs(worst=False)
+    args = [jax.ShapeDtypeStruct((2, *a.shape), a.dtype, sharding=stage_rows) for a in (
+        x.reshape(-1, D), idx.reshape(-1, K), weights.reshape(-1, K), wg, wu, wd)]
+
+    def stage(*a):  # one stage: its tokens and its own experts, split over the expert axis
+        return jax.shard_map(lambda *b: TwoLevel(cfg, shards, hosts=2, ragged=True)(*b).y,
+                             mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"),
+                             check_vma=False)(*a)
+    stages = jax.vmap(stage, spmd_axis_name="pipeline")
+    hlo = jax.jit(jax.grad(lambda *a: jnp.sum(stages(*a)), argnums=(0, 2, 3))).lower(
+        *args).compile().as_text()
+    assert "ragged-all-to-all" in hlo
+
+
 TWO_LEVEL = ["moe.transport=two_level", "moe.num_groups=4", "moe.groups_per_token=2"]
 
 
@@ -128,8 +165,6 @@ TWO_LEVEL = ["moe.transport=two_level", "moe.num_groups=4", "moe.groups_per_toke
      "moe.transport.*span 8 hosts.*moe.num_groups=4; use a host count dividing both"),
     ([*TWO_LEVEL, "mesh.expert=8", "mesh.data=1", "mesh.dcn_expert=8"],
      "moe.transport.*span 8 hosts.*mesh.dcn_expert"),
-    ([*TWO_LEVEL, "mesh.expert=4", "mesh.data=1", "mesh.pipeline=2", "model.num_layers=3"],
-     "moe.transport.*does not run under the pipeline.*set mesh.pipeline=1"),
     (["moe.expert_hosts=-1"], "moe.expert_hosts.*>= 0")])
 def test_bad_two_level_settings_name_key_and_fix(overrides, message):
     cfg, origins = small_config(*overrides)
@@ -144,3 +179,43 @@ def test_two_level_hosts_come_from_the_dcn_factor_and_the_start_up_line_says_so(
     assert resolve_transport(cfg, sizes).moe.expert_hosts == 2
     line = describe_transport(cfg, sizes)
     assert "transport two_level over 8 expert shards (set)" in line and "2 hosts x 4" in line
+
+
+# pipeline 2 x expert 4, the expert axis 2 hosts x 2 devices (one process stands in for both:
+# device i on host i // 4); DeepSeek-style group-limited routing, K 4 of 16 experts in 2 of 4
+# groups
+PIPELINED = ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1", "mesh.dcn_expert=2",
+             "moe.num_experts=16", "moe.experts_per_token=4", "moe.num_groups=4",
+             "moe.groups_per_token=2"]
+
+
+def _expert_all_to_all_bytes(transport: str) -> dict[str, float]:
+    """{"ici", "dcn"} bytes per device per step of the expert axis' all-to-alls in the
+    compiled train step of PIPELINED (plan/collectives.py's counting), and the config."""
+    cfg, origins = small_config(*PIPELINED, f"moe.transport={transport}")
+    trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins), dcn=dcn_sizes(cfg)))
+    with use_mesh(trainer.mesh, trainer.rules):
+        hlo = trainer.jitted_step.lower(trainer.abstract_state, abstract_batch(
+            cfg, trainer.batch_sharding)).compile().as_text()
+    comm = collective_bytes(hlo, trainer.mesh, devices_per_host=8 // cfg.mesh.dcn_expert)
+    assert comm.warnings == []
+    return comm.by_axis["expert"]["all-to-all"], cfg
+
+
+def test_two_level_under_the_pipeline_crosses_hosts_less_in_the_compiled_step():
+    """The compiled pipelined step's cross-host (DCN) bytes of the expert all-to-all: under
+    two_level at most H / (c K) of all_to_all's, times the share hop 1's K expert ids and
+    router weights (4 bytes each) add to a row of D. Derivation (parallel/two_level.py): hop 1
+    holds (H - 1) T rows for other hosts, all_to_all (ep - L) cap >= (H - 1) / H c T K per
+    exchange, and hop 1 runs no more exchanges of rows than all_to_all's rounds (dispatch and
+    combine, their recomputation and transposes); hop 2 stays inside the host."""
+    a2a, cfg = _expert_all_to_all_bytes("all_to_all")
+    two, _ = _expert_all_to_all_bytes("two_level")
+    hosts, k, c = cfg.mesh.dcn_expert, cfg.moe.experts_per_token, cfg.moe.transport_buffer_factor
+    row = cfg.model.hidden_size * np.dtype(cfg.precision.compute_dtype).itemsize
+    bound = hosts / (c * k) * (row + k * (4 + 4)) / row
+    print(f"\nexpert all-to-all dcn bytes: all_to_all {a2a['dcn']:.0f}, two_level "
+          f"{two['dcn']:.0f}, ratio {two['dcn'] / a2a['dcn']:.3f} <= {bound:.3f}")
+    assert a2a["dcn"] > 0 and two["dcn"] > 0
+    assert two["dcn"] <= bound * a2a["dcn"]
+    assert bound < 1  # the config is one where two_level must save (H < c K)
