@@ -47,6 +47,7 @@ from maxmoe.config import MoEConfig
 from maxmoe.kernels.grouped_matmul import resolve_kernel
 from maxmoe.parallel.all_to_all import (
     Route,
+    dispatch_slots,
     exchange_counts,
     exchange_rounds,
     exchange_slots,
@@ -97,7 +98,8 @@ class TwoLevel(Dispatcher):
             src, counts, rows, ids, w = _pack_hosts(across, self.shards, x, expert_idx,
                                                     weights)
             recv_counts = exchange_counts(across, counts)
-            rows = exchange_slots(across, rows, counts, recv_counts)  # [H, T, D] from each host
+            # [H, T, D] from each host; E4M3 under precision.fp8 (all_to_all.dispatch_slots)
+            rows = dispatch_slots(across, rows, counts, recv_counts)
             w = exchange_slots(across, w, counts, recv_counts)  # [H, T, K]
             ids = move_slots(across, ids, counts, recv_counts, across.num_local)
             flat = ids.reshape(-1)  # expert within this host; num_local of across: empty

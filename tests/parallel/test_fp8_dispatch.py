@@ -30,6 +30,7 @@ from maxmoe.config import DEFAULT_RULES, MoEConfig
 from maxmoe.kernels.fp8 import E4M3_MAX, e4m3_wire, fp8_matmul
 from maxmoe.parallel.capacity import Capacity
 from maxmoe.parallel.dispatch import AllGather, AllToAll, ExpertShards
+from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.plan.gpu_aot import gpu_devices
 from maxmoe.plan.hlo import operand_name, parse_instruction
 from maxmoe.sharding import use_mesh
@@ -124,6 +125,8 @@ def _dispatcher(kind: str, fp8: str, grouped_matmul: str):
     shards = ExpertShards(axes=("expert",), sizes=(8,), gathered=("expert",), sync=("expert",))
     if kind == "capacity":
         made = Capacity(cfg, shards, seq_len=T)
+    elif kind == "two_level":  # 8 shards as 2 hosts x 4: hop 1 across, hop 2 inside
+        made = TwoLevel(cfg, shards, hosts=2)
     else:
         made = {"all_gather": AllGather, "all_to_all": AllToAll}[kind](cfg, shards)
     made.fp8 = fp8
@@ -189,15 +192,18 @@ def _wire_checks(rows_fp8, rows_bf16):
     assert abs(ratio - WIRE_RATIO) < 1e-12, ratio
 
 
-@pytest.mark.parametrize("kind", ["all_to_all", "capacity", "all_gather"])
+@pytest.mark.parametrize("kind", ["all_to_all", "capacity", "all_gather", "two_level"])
 def test_dispatch_sends_e4m3_and_float32_scales_on_8_devices(kind):
     """The HLO of forward and backward on 8 fake devices: the dispatched rows travel as
     f8e4m3fn with f32 scales, the combine and every gradient as without FP8 (bf16; AllGather's
     combine is its float32 reduce-scatter of partial sums), and the dispatch bytes are
     (1 + 4/128) / 2 of bfloat16's."""
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
-    _wire_checks(*(exchanged_rows(_step_hlo(kind, fp8, mesh, compiled=False))
-                   for fp8 in ("blockwise", "none")))
+    rows = [exchanged_rows(_step_hlo(kind, fp8, mesh, compiled=False))
+            for fp8 in ("blockwise", "none")]
+    _wire_checks(*rows)
+    if kind == "two_level":  # hop 1 too (across hosts): [2 hosts, T, D] in E4M3
+        assert ("f8e4m3fn", 2 * T * D, D) in rows[0], rows[0]
 
 
 @pytest.mark.gpu_aot
