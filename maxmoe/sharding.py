@@ -275,6 +275,11 @@ def compute_copy(weights: str, dcn: Mapping[str, int]) -> Iterator[None]:
         _COPY.reset(t1)
 
 
+def on_compute_copy() -> bool:
+    """Whether the step traces on a compute copy (mesh.weights zero1 / hsdp; compute_copy)."""
+    return _COPY.get() is not None
+
+
 def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
                       sizes: Mapping[str, int] | None = None) -> P:
     """The spec the pipeline regroups a stacked layer param [L, ...] from (parallel/pipeline.py

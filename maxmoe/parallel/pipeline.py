@@ -56,6 +56,7 @@ from maxmoe.sharding import (
     current_mesh,
     entry_axes,
     mesh_axes,
+    on_compute_copy,
     param_axes,
     shard,
     spec,
@@ -213,15 +214,40 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
     graphdef, state = nnx.split(stack)
     table = schedule.slot_table(jax.tree.leaves(state)[0].shape[0])  # [P][V slots]: layer / -1
     stage_params = stage_layout(state, table, schedule.repeats)  # [P, V, slots, ...]
+    pin = _gradients_pinned(stage_params)
     with within_stages():
         y, aux_sum = _run_schedule(graphdef, stage_params, table, x, segment_ids, positions,
-                                   run_layers=run_layers, schedule=schedule)
+                                   run_layers=run_layers, schedule=schedule, pin=pin)
     return shard(y, ("batch", "seq", "act_embed")), _natural_aux(aux_sum, table,
                                                                  schedule.microbatches)
 
 
+def _gradients_pinned(stage_params):
+    """On a compute copy (mesh.weights zero1 / hsdp): stage params -> the same, whose gradient
+    at every pipeline iteration is constrained to the copy's stage layout (replicated over the
+    data-parallel axes), so the scan's transpose sums it per device and XLA:GPU can reduce it
+    once after the loop (train/gradients.py); left to itself XLA shards the sum and
+    reduce-scatters every iteration. The identity otherwise."""
+    if current_mesh() is None or not on_compute_copy():
+        return lambda tree: tree
+    specs = [spec(("stage", None, None, *param_axes(v)[3:]), shape=v.get_value().shape)
+             for v in jax.tree.leaves(stage_params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+
+    @jax.custom_vjp
+    def pin(tree):
+        return tree
+
+    def backward(_, ct):
+        leaves, tree = jax.tree.flatten(ct)
+        return (tree.unflatten([jax.lax.with_sharding_constraint(c, s)
+                                for c, s in zip(leaves, specs, strict=True)]),)
+
+    pin.defvjp(lambda tree: (tree, None), backward)
+    return pin
+
+
 def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, run_layers,
-                  schedule: PipelineSchedule):
+                  schedule: PipelineSchedule, pin=lambda tree: tree):
     """run_pipeline's loop, traced under `within_stages`: the microbatches through the stages
     [P, V, slots, ...] of `stage_params`. Returns (y [B, S, D], aux summed per stage and pass
     [P, V, slots, ...])."""
@@ -268,7 +294,7 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
         # stage 0 takes row t mod M: the microbatch itself on its first pass (t < M), else its
         # output of the last stage's previous pass, written at iteration t - M + P - 1 (M >= P)
         h_in = jnp.where(first, jax.lax.dynamic_index_in_dim(io, t % m, 1, keepdims=False), buf)
-        h, aux = all_stages(stage_params, mask, pack(h_in), segs[micro], poss[micro], v)
+        h, aux = all_stages(pin(stage_params), mask, pack(h_in), segs[micro], poss[micro], v)
         weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
         aux_sum = {k: _aux_add(k, acc, weight, aux[k]) for k, acc in aux_sum.items()}
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
