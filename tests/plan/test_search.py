@@ -1,6 +1,7 @@
 """The search's analytic MoE buffer rows (`search.moe_rows`) against the dispatch's own slot
-arithmetic, worked by hand here."""
+arithmetic, worked by hand here; its mesh.weights modes' weight traffic."""
 
+from maxmoe.cluster import load_cluster
 from maxmoe.config_files import load_config
 from maxmoe.plan import search
 from maxmoe.validation import validate
@@ -19,3 +20,22 @@ def test_capacity_rows_are_whole_slots_per_sequence():
     t = search.tokens_per_device(cfg, sizes, 1)
     assert t == 200
     assert search.moe_rows(cfg, layout, t) == 448
+
+
+def test_zero1_gathers_once_per_step_and_holds_a_copy():
+    """mesh.weights in the search: zero3 gathers the stored weights (and reduce-scatters their
+    gradients) every microbatch, zero1 once per step, so at 4 microbatches zero1's weight
+    traffic is (2 w) / ((2 w + 4) 4) of zero3's (w = 2 bytes of bf16: 1/8), while its
+    temporaries add the copy and its float32 sums ((w + 4) bytes per copy element)."""
+    cfg, origins = load_config(["configs/tiny.yaml"], ["precision.compute_dtype=bfloat16"])
+    sizes = validate(cfg, 8, origins, 1)
+    state = search.state_bytes(cfg, sizes)
+    assert state.copy_elements > 0
+    layouts = {w: search.Layout(sizes, dict.fromkeys(sizes, 1), "full", 4, w)
+               for w in ("zero3", "zero1")}
+    sent = {w: search.gather_bytes(layout, state.gathered, 2) for w, layout in layouts.items()}
+    assert sent["zero3"] and set(sent["zero1"]) == set(sent["zero3"])
+    for axis, n in sent["zero3"].items():
+        assert abs(sent["zero1"][axis] / n - 4 / ((4 + 4) * 4)) < 1e-12
+    assert {layout.weights for layout in search.layouts(cfg, origins, load_cluster("8xcpu"))} \
+        == {"zero3", "zero1"}
