@@ -224,7 +224,7 @@ def compute_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
     """The mesh axes each dim of a param's compute copy is split over under mesh.weights:
 
     - zero3: its storage (`state_dim_axes`); compute gathers it at every use;
-    - zero1: the rules' own axes without DATA_PARALLEL_AXES (experts over the expert axis,
+    - zero1: the rules' own axes as `copy_rules` leaves them (experts over the expert axis,
       tensor dims over tensor, the stack over the stages), replicated over the rest; a stack
       the stages do not divide (V3's 58 MoE layers on 16) keeps the stage axes where storage
       puts them, so a device holds its stage's share, as `stack_source_spec` reads it;
@@ -249,14 +249,17 @@ def compute_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
 
 def copy_rules(rules: Mapping[str, list[str]], weights: str,
                dcn: Mapping[str, int]) -> dict[str, list[str]]:
-    """`rules` as model code sees them on a compute copy: the data-parallel axes the copy is
-    replicated over (all of DATA_PARALLEL_AXES under zero1; under hsdp those spanning hosts)
-    dropped from every logical axis but "batch", so a weight's own sharding constraint (e.g.
-    the LM head's) keeps the copy whole instead of slicing and re-gathering it."""
+    """`rules` as model code sees them on a compute copy: the axes the copy is replicated over
+    dropped from every logical axis but "batch" and the stacks' (STACK_AXES), so a weight's own
+    sharding constraint (e.g. the LM head's) keeps the copy whole instead of slicing and
+    re-gathering it at every use. Those axes: DATA_PARALLEL_AXES and the stage axes, which
+    outside the pipeline split the batch like data (inside it, `within_stages` drops them from
+    these axes anyway); all of them under zero1, under hsdp those that span hosts."""
     if weights == "zero3":
         return dict(rules)
-    drop = {a for a in DATA_PARALLEL_AXES if weights == "zero1" or dcn.get(a, 1) > 1}
-    return {k: list(v) if k == "batch" else [a for a in v if a not in drop]
+    parallel = set(DATA_PARALLEL_AXES) | set(rules.get("stage", []))
+    drop = {a for a in parallel if weights == "zero1" or dcn.get(a, 1) > 1}
+    return {k: list(v) if k == "batch" or k in STACK_AXES else [a for a in v if a not in drop]
             for k, v in rules.items()}
 
 
