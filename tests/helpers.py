@@ -86,3 +86,14 @@ def per_layer(params):
     return dict(params, layer_groups={
         g: {j: jax.tree.map(lambda a, j=j: a[j], t) for j in range(len(jax.tree.leaves(t)[0]))}
         for g, t in params["layer_groups"].items()})
+
+
+def assert_grads_close(grads, ref_grads, rtol: float = 1e-4, atol: float = 1e-6) -> None:
+    """Every gradient leaf equals the reference's within rtol / atol (the equivalence matrix's
+    float32 tolerance by default), the failing leaf named by its path."""
+    flat_ref = jax.tree_util.tree_leaves_with_path(ref_grads)
+    flat = jax.tree.leaves(grads)
+    assert len(flat) == len(flat_ref)
+    for (path, g_ref), g in zip(flat_ref, flat, strict=True):
+        np.testing.assert_allclose(g, g_ref, rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
