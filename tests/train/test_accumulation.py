@@ -21,7 +21,7 @@ from maxmoe.config_files import load_config
 from maxmoe.model.router import RouterBias
 from maxmoe.model.transformer import build_model
 from maxmoe.sharding import make_mesh, named, spec, state_shardings, use_mesh
-from maxmoe.train.step import accumulated, make_gradients
+from maxmoe.train.gradients import accumulated, make_gradients
 from maxmoe.validation import dcn_sizes, validate
 from tests.helpers import random_batch
 
