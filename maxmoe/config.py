@@ -266,7 +266,7 @@ class CheckpointConfig:
 class TrainConfig:
     steps: int = 200  # optimizer steps
     # microbatches per optimizer step: the global batch is split, each microbatch's loss weighted
-    # by its loss tokens, so the step equals the unsplit batch's (train/step.py, make_gradients)
+    # by its loss tokens, so the step equals the unsplit batch's (train/gradients.py, make_gradients)
     grad_accum_steps: int = 1
     seed: int = 0  # parameter init seed
     eval_every_steps: int = 0  # validation loss every N steps (ranks checkpoint.keep_best); 0 = off
