@@ -226,6 +226,12 @@ def moe_rows(cfg: Config, layout: Layout, t: float) -> float:
 # (parallel/all_to_all.py). Remat adds none: the compiled all-to-all bytes of configs/tiny.yaml
 # at expert 8 are the same under remat none and full, 6.0 x c T K D rows x 3 MoE layers.
 ALL_TO_ALL_EXCHANGES = 6
+# of those, the dispatch forward and its re-send travel in E4M3 with one float32 scale per 128
+# elements under precision.fp8 (kernels/fp8.e4m3_wire); the combine and the gradients in the
+# compute dtype. Tiny's compiled all-to-all fell by two exchanges' worth (docs/performance.md,
+# "FP8 dispatch")
+FP8_DISPATCH_EXCHANGES = 2
+FP8_WIRE_BYTES = 1 + 4 / 128
 
 
 def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int]
@@ -234,7 +240,8 @@ def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int
     {"ici", "dcn"} bytes one device's expert dispatch and combine send per step under balanced
     routing, for the all_to_all transport; None for the other transports (their compiled bytes
     are what they send) or an expert axis of 1. The tokens are a device's stage batch shard;
-    the MTP depths count as stack layers (exact without a pipeline)."""
+    the MTP depths count as stack layers (exact without a pipeline). Under precision.fp8 the
+    FP8_DISPATCH_EXCHANGES dispatch exchanges count FP8_WIRE_BYTES an element."""
     e, m, ep = cfg.moe, cfg.model, sizes["expert"]
     if ep == 1 or e.dispatch == "capacity" or \
             choose_transport(e, ep, dcn["expert"]) != "all_to_all":
@@ -243,9 +250,12 @@ def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int
     layers = (sum(n for is_moe, _, n in groups if is_moe) / sizes["pipeline"]
               + (m.mtp_depth if groups[-1][0] else 0))
     tokens = cfg.data.global_batch_size * cfg.data.seq_len / stage_batch_shards(cfg, sizes)
-    return routed_all_to_all_bytes(tokens, e.experts_per_token, m.hidden_size,
-                                   compute_bytes(cfg), ep, ep // dcn["expert"],
-                                   ALL_TO_ALL_EXCHANGES, layers)
+    width = float(compute_bytes(cfg))  # per element, averaged over the exchanges
+    if cfg.precision.fp8 != "none":
+        width = ((ALL_TO_ALL_EXCHANGES - FP8_DISPATCH_EXCHANGES) * width
+                 + FP8_DISPATCH_EXCHANGES * FP8_WIRE_BYTES) / ALL_TO_ALL_EXCHANGES
+    return routed_all_to_all_bytes(tokens, e.experts_per_token, m.hidden_size, width, ep,
+                                   ep // dcn["expert"], ALL_TO_ALL_EXCHANGES, layers)
 
 
 def activation_bytes(cfg: Config, layout: Layout) -> float:

@@ -207,6 +207,13 @@ def test_routed_all_to_all_bytes_by_hand():
     dcn = {a: getattr(cfg.mesh, f"dcn_{a}") for a in sizes}
     assert ALL_TO_ALL_EXCHANGES == 6
     assert routed_dispatch_bytes(cfg, sizes, dcn) == pytest.approx(want, rel=1e-12)
+    # FP8 dispatch: 2 of the 6 exchanges at 1 + 4/128 bytes an element, 4 at bf16's 2
+    fp8, _ = load_config(["configs/models/deepseek_v3_671b.yaml",
+                          "configs/experiments/deepseek_v3_2048xh800.yaml"],
+                         ["precision.fp8=blockwise"])
+    ratio = (4 * 2 + 2 * (1 + 4 / 128)) / (6 * 2)
+    assert routed_dispatch_bytes(fp8, sizes, dcn) == pytest.approx(
+        {k: v * ratio for k, v in want.items()}, rel=1e-12)
     assert routed_all_to_all_bytes(100, 2, 10, 4, 1, 1, 6, 3) == {"ici": 0.0, "dcn": 0.0}
     with pytest.raises(ValueError, match="divide"):
         routed_all_to_all_bytes(100, 2, 10, 4, 8, 3, 6, 3)
