@@ -7,7 +7,9 @@ model code free of `out_sharding` plumbing (jax 0.10's `make_mesh` default is Ex
 Activations follow the rules table (`spec`, `shard`); the train state is stored over every
 mesh axis that fits it (`state_dim_axes`, ZeRO-3), and XLA gathers it where it is used.
 The pipeline's stages trace under `within_stages`, which takes the stage axes out of every
-logical axis but the stacks' (outside the pipeline they split the batch too).
+logical axis but the stacks' (outside the pipeline they split the batch too). Under
+mesh.weights zero1 / hsdp compute reads a copy of the params laid out by `compute_axes`, and the
+step traces under `compute_copy`, whose rules (`copy_rules`) keep that copy whole.
 """
 
 from __future__ import annotations

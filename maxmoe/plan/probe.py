@@ -194,11 +194,12 @@ def measure(items: list[str], devices: int, hosts: int, devices_per_host: int,
     GPU target or plugin is missing."""
     t = time.perf_counter()
     setup, compiled, kernels = compile_step(items, devices, hosts, compiler, kind)
-    result = compiled_figures(setup, compiled, devices_per_host)
+    hlo = compiled.as_text()  # once: hundreds of MB at thousands of devices
+    result = compiled_figures(setup, compiled, devices_per_host, hlo)
     result.update(kernels, compile_s=round(time.perf_counter() - t, 1))
     if compiler == "gpu" and cluster is not None:
-        result["overlap"] = overlap_figures(compiled.as_text(), setup.trainer.mesh,
-                                            devices_per_host, cluster, result, load_imbalance)
+        result["overlap"] = overlap_figures(hlo, setup.trainer.mesh, devices_per_host,
+                                            cluster, result, load_imbalance)
     return result
 
 
@@ -247,12 +248,13 @@ def compile_step(items: list[str], devices: int, hosts: int, compiler: str = "cp
     return setup, lowered.compile(), kernels
 
 
-def compiled_figures(setup: RunSetup, compiled, devices_per_host: int) -> dict:
+def compiled_figures(setup: RunSetup, compiled, devices_per_host: int,
+                     hlo: str | None = None) -> dict:
     """The probe's figures (module docstring) of a compiled train step: what `maxmoe plan`
     measures on fake devices, and `maxmoe train` (plan.json, --dry-run) on the real ones."""
     cfg, trainer, sizes = setup.cfg, setup.trainer, setup.mesh_sizes
     devices = math.prod(sizes.values())
-    hlo = compiled.as_text()
+    hlo = compiled.as_text() if hlo is None else hlo  # the caller's text of `compiled`, if given
     parts = state_parts(trainer.abstract_state)
     replicated = replicated_leaves(trainer.abstract_state, devices)
     comm = collective_bytes(hlo, trainer.mesh, devices_per_host)
