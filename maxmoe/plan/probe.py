@@ -284,7 +284,8 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int,
         # the same FLOPs by the kernel class that prices them (plan/roofline.price_compute)
         "model_flops_by_kernel_per_step": {k: f * setup.tokens_per_step
                                            for k, f in flops_by_kernel(cfg).items()},
-        # the expert dispatch + combine as balanced routing sends them (None: not all_to_all)
+        # the expert dispatch + combine as balanced routing sends them (None: not all_to_all or
+        # two_level)
         "routed_dispatch_bytes": routed_dispatch_bytes(cfg, sizes, {
             a: mesh[f"dcn_{a}"] for a in sizes}),
         "tokens_per_step": setup.tokens_per_step,

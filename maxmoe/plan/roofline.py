@@ -139,6 +139,33 @@ def routed_all_to_all_bytes(tokens: float, experts_per_token: int, hidden: int,
     return {"ici": sent * (shards_per_host - 1) / expert_shards,
             "dcn": sent * (expert_shards - shards_per_host) / expert_shards}
 
+def hosts_reached(experts: int, per_token: int, groups: int, groups_per_token: int,
+                  hosts: int) -> float:
+    """Expected number of the `hosts` hosts (each holding experts / hosts experts, whole groups
+    when groups >= hosts) that one token's `per_token` experts lie on, under balanced
+    group-limited routing: the token picks `groups_per_token` of `groups` expert groups
+    uniformly, then its experts uniformly among those groups' experts (groups = 1: among all).
+    What two_level's hop 1 sends a token to (once per host, parallel/two_level.py).
+    DeepSeek-V3 (256 experts, top-8, 8 groups, top-4 groups, 8 hosts): 3.63."""
+    if groups <= 1:
+        groups = groups_per_token = 1
+    if experts % groups or groups % hosts and hosts % groups or groups_per_token > groups:
+        raise ValueError(f"hosts_reached: {experts} experts, {groups} groups "
+                         f"({groups_per_token} a token), {hosts} hosts: groups must split "
+                         "evenly over the hosts")
+    per_group = experts // groups
+    on_host = max(1, groups // hosts)  # groups a host holds (a group spans hosts: 1, split)
+    split = max(1, hosts // groups)  # hosts one group spans
+    chosen = groups_per_token * per_group  # experts the token draws from
+    unused = 0.0  # P(none of the token's experts on one given host)
+    for j in range(0, min(on_host, groups_per_token) + 1):  # chosen groups on that host
+        p_j = (math.comb(on_host, j) * math.comb(groups - on_host, groups_per_token - j)
+               / math.comb(groups, groups_per_token))
+        there = j * per_group // split  # chosen experts on the host
+        unused += p_j * math.comb(chosen - there, per_token) / math.comb(chosen, per_token)
+    return hosts * (1.0 - unused)
+
+
 # ---------------------------------------------------------------- the overlap assumption
 # Fraction of the communication time hidden under compute (never more than the compute time).
 # XLA's latency-hiding scheduler issues FSDP weight all-gathers and gradient reduce-scatters

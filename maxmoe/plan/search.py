@@ -29,6 +29,7 @@ from maxmoe.plan.compiled_flops import FULL_RECOMPUTE
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.roofline import (
     DEFAULT_LOAD_IMBALANCE,
+    hosts_reached,
     price_compute,
     routed_all_to_all_bytes,
     step_time,
@@ -234,28 +235,57 @@ FP8_DISPATCH_EXCHANGES = 2
 FP8_WIRE_BYTES = 1 + 4 / 128
 
 
+# two_level's hop 1 exchanges of the token rows per MoE layer: dispatch and combine forward, their
+# two gradients, and the dispatch again where remat re-runs the layer's forward (the combine's
+# re-run is dead code). Compiled tiny DeepSeek (expert 8 over 2 hosts, XLA:GPU), hop 1's
+# cross-host bytes are exactly 4 (remat none) and 5 (full) buffers of token rows per layer, plus
+# the small router-weight and expert-id exchanges ("two_level priced at routed bytes", docs)
+TWO_LEVEL_HOP1_EXCHANGES = {"none": 4, "recomputed": 5}
+
+
 def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int]
                           ) -> dict[str, float] | None:
-    """roofline.routed_all_to_all_bytes of the layout (`sizes`, its DCN factors `dcn`): the
-    {"ici", "dcn"} bytes one device's expert dispatch and combine send per step under balanced
-    routing, for the all_to_all transport; None for the other transports (their compiled bytes
-    are what they send) or an expert axis of 1. The tokens are a device's stage batch shard;
-    the MTP depths count as stack layers (exact without a pipeline). Under precision.fp8 the
-    FP8_DISPATCH_EXCHANGES dispatch exchanges count FP8_WIRE_BYTES an element."""
+    """The {"ici", "dcn"} bytes one device's expert dispatch and combine send per step under
+    balanced routing (`sizes` the layout, `dcn` its DCN factors); None for the transports whose
+    compiled bytes are what they send (all_gather, capacity) or an expert axis of 1. The tokens
+    are a device's stage batch shard; the MTP depths count as stack layers (exact without a
+    pipeline).
+    - all_to_all: roofline.routed_all_to_all_bytes, ALL_TO_ALL_EXCHANGES exchanges.
+    - two_level: hop 1 sends each token once to each other host its experts lie on
+      (roofline.hosts_reached), TWO_LEVEL_HOP1_EXCHANGES times, all across hosts; hop 2 is
+      all_to_all's exchanges over one host's shards, inside it.
+    Under precision.fp8 the dispatch exchanges (FP8_DISPATCH_EXCHANGES; hop 1: the forward and
+    its re-run) count FP8_WIRE_BYTES an element."""
     e, m, ep = cfg.moe, cfg.model, sizes["expert"]
-    if ep == 1 or e.dispatch == "capacity" or \
-            choose_transport(e, ep, dcn["expert"]) != "all_to_all":
+    how = "capacity" if e.dispatch == "capacity" else choose_transport(e, ep, dcn["expert"])
+    if ep == 1 or how not in ("all_to_all", "two_level"):
         return None
     groups = layer_groups(m)
     layers = (sum(n for is_moe, _, n in groups if is_moe) / sizes["pipeline"]
               + (m.mtp_depth if groups[-1][0] else 0))
     tokens = cfg.data.global_batch_size * cfg.data.seq_len / stage_batch_shards(cfg, sizes)
-    width = float(compute_bytes(cfg))  # per element, averaged over the exchanges
-    if cfg.precision.fp8 != "none":
-        width = ((ALL_TO_ALL_EXCHANGES - FP8_DISPATCH_EXCHANGES) * width
-                 + FP8_DISPATCH_EXCHANGES * FP8_WIRE_BYTES) / ALL_TO_ALL_EXCHANGES
-    return routed_all_to_all_bytes(tokens, e.experts_per_token, m.hidden_size, width, ep,
-                                   ep // dcn["expert"], ALL_TO_ALL_EXCHANGES, layers)
+    hosts = (e.expert_hosts or dcn["expert"]) if how == "two_level" else dcn["expert"]
+    inside = routed_all_to_all_bytes(tokens, e.experts_per_token, m.hidden_size,
+                                     _wire_width(cfg, ALL_TO_ALL_EXCHANGES, FP8_DISPATCH_EXCHANGES),
+                                     ep if how == "all_to_all" else ep // hosts,
+                                     ep // hosts, ALL_TO_ALL_EXCHANGES, layers)
+    if how == "all_to_all":
+        return inside
+    exchanges = TWO_LEVEL_HOP1_EXCHANGES["none" if m.remat_policy == "none" else "recomputed"]
+    reached = hosts_reached(e.num_experts, e.experts_per_token, e.num_groups,
+                            e.groups_per_token, hosts)
+    width = _wire_width(cfg, exchanges, exchanges - 3)
+    across = exchanges * tokens * reached * (hosts - 1) / hosts * m.hidden_size * width * layers
+    return {"ici": inside["ici"], "dcn": across}  # hop 2 stays inside the host
+
+
+def _wire_width(cfg: Config, exchanges: int, dispatches: int) -> float:
+    """Bytes per element averaged over `exchanges`, `dispatches` of which travel in FP8 under
+    precision.fp8 (FP8_WIRE_BYTES), the rest in the compute dtype."""
+    width = float(compute_bytes(cfg))
+    if cfg.precision.fp8 == "none":
+        return width
+    return ((exchanges - dispatches) * width + dispatches * FP8_WIRE_BYTES) / exchanges
 
 
 def activation_bytes(cfg: Config, layout: Layout) -> float:
@@ -303,7 +333,8 @@ def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
     """Modelled bytes one device sends per step, per axis, in collective_bytes' shape: ZeRO-3
     gathers of the stored parameters and gradient reduce-scatters (`gather_bytes`); MoE token
     traffic per MoE layer: all_gather's gathers and reduce-scatters (forward, remat, backward),
-    or all_to_all's routed_dispatch_bytes x DEFAULT_LOAD_IMBALANCE (the busiest shard's share);
+    or all_to_all's and two_level's routed_dispatch_bytes x DEFAULT_LOAD_IMBALANCE (the busiest
+    shard's share);
     tensor all-reduces."""
     m, sizes = cfg.model, layout.sizes
     t = tokens_per_device(cfg, sizes, 1)

@@ -22,11 +22,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxmoe.config import DEFAULT_RULES, ConfigError, MoEConfig
+from maxmoe.model.spec import layer_groups
 from maxmoe.parallel.dispatch import ExpertShards, describe_transport, resolve_transport
 from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.gpu_aot import gpu_devices, unknown_trip_loops
 from maxmoe.plan.probe import abstract_batch
+from maxmoe.plan.search import TWO_LEVEL_HOP1_EXCHANGES
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import dcn_sizes, validate
@@ -219,3 +221,28 @@ def test_two_level_under_the_pipeline_crosses_hosts_less_in_the_compiled_step():
     assert a2a["dcn"] > 0 and two["dcn"] > 0
     assert two["dcn"] <= bound * a2a["dcn"]
     assert bound < 1  # the config is one where two_level must save (H < c K)
+
+
+def test_hop_one_sends_the_planners_count_of_row_buffers_across_hosts():
+    """search.TWO_LEVEL_HOP1_EXCHANGES, which prices two_level's routed bytes, is what the
+    compiled step runs: unpipelined (data 2 x expert 4 over 2 hosts, float32, remat full), the
+    cross-host expert all-to-all bytes per MoE layer are exactly that many hop-1 row buffers
+    ((H - 1) x T rows of D) plus 5 buffers of the (H - 1) x T x K router weights (forward,
+    re-run, gradient) and expert ids (forward, re-run), 4 bytes each."""
+    cfg, origins = small_config("mesh.pipeline=1", "mesh.expert=4", "mesh.data=2",
+                                "mesh.dcn_expert=2", "moe.num_experts=16",
+                                "moe.experts_per_token=4", "moe.num_groups=4",
+                                "moe.groups_per_token=2", "moe.transport=two_level")
+    assert cfg.model.remat_policy == "full" and cfg.precision.compute_dtype == "float32"
+    trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins), dcn=dcn_sizes(cfg)))
+    with use_mesh(trainer.mesh, trainer.rules):
+        hlo = trainer.jitted_step.lower(trainer.abstract_state, abstract_batch(
+            cfg, trainer.batch_sharding)).compile().as_text()
+    comm = collective_bytes(hlo, trainer.mesh, devices_per_host=8 // cfg.mesh.dcn_expert)
+    m, hosts = cfg.model, cfg.mesh.dcn_expert
+    layers = sum(n for is_moe, _, n in layer_groups(m) if is_moe) + m.mtp_depth
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len // 8  # the batch over data x expert
+    rows = (hosts - 1) * tokens * m.hidden_size * 4
+    small = (hosts - 1) * tokens * cfg.moe.experts_per_token * 4
+    want = layers * (TWO_LEVEL_HOP1_EXCHANGES["recomputed"] * rows + 5 * small)
+    assert comm.by_axis["expert"]["all-to-all"]["dcn"] == pytest.approx(want, rel=1e-6)

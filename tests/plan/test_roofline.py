@@ -4,6 +4,7 @@ the expert all-to-all at its balanced routed bytes, the load imbalance on the ro
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from maxmoe.cluster import load_cluster
@@ -19,6 +20,7 @@ from maxmoe.plan.roofline import (
     adam_checkpoint_bytes,
     checkpoint,
     cost,
+    hosts_reached,
     link_bytes,
     parse_tokens,
     price_compute,
@@ -232,3 +234,53 @@ def test_the_step_is_priced_with_routed_bytes_times_the_imbalance():
     assert priced_collectives(compiled, None, 1.2) is compiled  # other transports: as compiled
     t = step_time(1.6e13, 16, TOY, priced, 0.0, efficiency=1.0, overlap=0.0)
     assert t.dcn_s == pytest.approx((36e9 + 2e9 + 5e9) / TOY.dcn_bandwidth)
+
+
+@pytest.mark.parametrize("experts, k, groups, per_token, hosts", [
+    (256, 8, 8, 4, 8),  # DeepSeek-V3 on 8 hosts: one group a host
+    (32, 8, 8, 4, 2),  # tiny DeepSeek, 4 groups a host
+    (64, 6, 4, 2, 8),  # a group spans 2 hosts
+    (128, 8, 1, 1, 4),  # no groups
+])
+def test_hosts_reached_matches_simulated_group_limited_routing(experts, k, groups, per_token,
+                                                                hosts):
+    """roofline.hosts_reached against 100,000 tokens routed at random the way balanced
+    group-limited routing does (top groups uniform, then experts uniform among theirs), hosts
+    holding contiguous experts: the mean of distinct hosts a token's experts lie on, within
+    0.01 absolute (the mean's standard error is under 0.003)."""
+    rng = np.random.default_rng(0)
+    n, per_group = 100_000, experts // groups
+    chosen = np.argsort(rng.random((n, groups)), axis=1)[:, :per_token]  # the token's groups
+    pool = (chosen[:, :, None] * per_group + np.arange(per_group)).reshape(n, -1)
+    pick = np.take_along_axis(pool, np.argsort(rng.random(pool.shape), axis=1)[:, :k], axis=1)
+    host = pick // (experts // hosts)
+    reached = (host[:, :, None] == np.arange(hosts)).any(axis=1).sum(axis=1)
+    assert hosts_reached(experts, k, groups, per_token, hosts) == pytest.approx(
+        reached.mean(), abs=0.01)
+
+
+def test_two_level_routed_bytes_by_hand():
+    """The 671B layout under moe.transport=two_level (configs/experiments/deepseek_v3_2048xh800
+    .yaml: 8192 tokens a device, top-8 of 256 experts in 4 of 8 groups, expert 64 over 8 hosts,
+    bf16, remat full): hop 1 sends each token to the hosts_reached(256, 8, 8, 4, 8) hosts its
+    experts lie on, less its own (7/8 of them), 5 times (TWO_LEVEL_HOP1_EXCHANGES) across hosts;
+    hop 2 is all_to_all's 6 exchanges of T K rows over the host's 8 shards, 7/8 of them to
+    another device inside it. With precision.fp8, 2 of hop 1's 5 and of hop 2's 6 travel at
+    1 + 4/128 bytes an element."""
+    files = ["configs/models/deepseek_v3_671b.yaml",
+             "configs/experiments/deepseek_v3_2048xh800.yaml"]
+    cfg, _ = load_config(files, ["moe.transport=two_level"])
+    sizes = {a: getattr(cfg.mesh, a) for a in ("data", "fsdp", "pipeline", "expert", "tensor")}
+    dcn = {a: getattr(cfg.mesh, f"dcn_{a}") for a in sizes}
+    reached = hosts_reached(256, 8, 8, 4, 8)
+    assert 3.6 < reached < 3.7  # 8 x (1 - P(a host holds none of the token's experts))
+    across = 5 * 8192 * reached * 7 / 8 * 7168 * 2 * 59
+    inside = 6 * 8192 * 8 * 7168 * 2 * 59 * 7 / 8
+    assert routed_dispatch_bytes(cfg, sizes, dcn) == pytest.approx(
+        {"ici": inside, "dcn": across}, rel=1e-12)
+    assert across == pytest.approx(110.0e9, rel=1e-3)  # GB across hosts: all_to_all's is 291
+    fp8, _ = load_config(files, ["moe.transport=two_level", "precision.fp8=blockwise"])
+    wire = 1 + 4 / 128
+    assert routed_dispatch_bytes(fp8, sizes, dcn) == pytest.approx(
+        {"ici": inside * (4 * 2 + 2 * wire) / 12, "dcn": across * (3 * 2 + 2 * wire) / 10},
+        rel=1e-12)
