@@ -26,7 +26,8 @@ LAYOUTS = {  # name -> overrides of TINY_V3 on 8 devices
                                      "train.grad_accum_steps=2"],
 }
 # the pre-ranker's modelled temporaries against the compiled ones on these layouts: measured
-# -14% .. +6% on 8 tiny layouts (docs/performance.md); the test allows 20%
+# -14% .. +6% on 8 tiny layouts (docs/performance/planning.md, Planner calibration); the test
+# allows 20%
 ESTIMATE_TOLERANCE = 0.20
 
 
@@ -65,7 +66,7 @@ def test_analytic_estimate_close_to_the_compile(measured, name):
 # the pre-ranker's collective bytes per step against the compiled ones (all axes together):
 # measured 1.01 (fsdp8) and 0.75 (fsdp2 x expert2 x tensor2) of the compile since XLA:CPU's
 # gradient all-reduce + slice is priced as a reduce-scatter (0.72 and 0.68 before,
-# docs/performance.md); the test allows 2x
+# docs/performance/planning.md, Reduce-scatter pricing); the test allows 2x
 COMM_FACTOR = 2.0
 
 
