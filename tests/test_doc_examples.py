@@ -11,6 +11,7 @@ import io
 import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,8 @@ def joined(lines: list[str], i: int) -> tuple[str, int]:
 def tagged(text: str, command: str) -> Example:
     found = NOT_RUN.search(text)
     reason = (found.group(1) or found.group(2)) if found else None
+    if reason and reason.count(")") > reason.count("("):  # "# comment (not run: WHY)"
+        reason = reason[:reason.rindex(")")].rstrip()
     return Example("", shlex.split(command, comments=True), reason)
 
 
@@ -81,6 +84,21 @@ def examples_in(path: Path) -> list[Example]:
 
 EXAMPLES = [e for path in doc_files() for e in examples_in(path)]
 RUNNABLE = [e for e in EXAMPLES if e.reason is None]
+
+
+def test_the_reader_finds_code_lines_table_commands_and_tags(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text("prose `maxmoe eval runs/x` is not read\n```bash\nmaxmoe eval runs/a\n"
+                    "pip install -e . && maxmoe plan c.yaml \\\n  --cluster 8xh100  # not run: slow\n"
+                    "```\n\n    $ maxmoe report runs/a\n\n| a | `maxmoe ckpt verify runs/a` |\n"
+                    "| b | `maxmoe plan` |\n| c | `maxmoe eval runs/b` <!-- not run: why -->|\n")
+    got = [(e.where, e.words, e.reason) for e in examples_in(page)]
+    assert got == [("page.md:3", ["eval", "runs/a"], None),
+                   ("page.md:4", ["plan", "c.yaml", "--cluster", "8xh100"], "slow"),
+                   ("page.md:8", ["report", "runs/a"], None),
+                   ("page.md:10", ["ckpt", "verify", "runs/a"], None),
+                   ("page.md:12", ["eval", "runs/b"], "why")], got
 
 
 def verbs() -> set[str]:
@@ -145,6 +163,12 @@ def run(words: list[str]) -> tuple[int, str]:
         except SystemExit as stop:  # argparse's exits
             code = stop.code if isinstance(stop.code, int) else 2
     return code, (err.getvalue().strip().splitlines() or [""])[-1]
+
+
+def test_a_line_that_does_not_run_is_caught(workspace):
+    """The README's old eval line: tiny's expert axis is 2, so fsdp 8 leaves no devices."""
+    code, last = run(["eval", "runs/tiny", "mesh.data=1", "mesh.fsdp=8"])
+    assert code == 2 and "mesh" in last, (code, last)
 
 
 def test_every_runnable_example_runs(workspace):
