@@ -302,7 +302,7 @@ class LoggingConfig:
     tensorboard: bool = True  # TensorBoard event files in <run.dir>/tensorboard (process 0)
     wandb_project: str = ""  # W&B project to log to; empty = off (pip install 'maxmoe[wandb]')
     wandb_mode: str = "offline"  # W&B mode: offline (no network; `wandb sync` later) | online
-    per_layer: bool = True  # per-layer arrays (README Metrics) on logged steps; false: scalars only
+    per_layer: bool = True  # per-layer arrays (docs/observability.md) on logged steps; false: none
     side_work_timeout_s: int = 120  # process 0's work beside the job (plan.json); longer: skipped
 
 

@@ -4,7 +4,8 @@ XLA:CPU allocates each step's temporaries afresh (the temporaries in `maxmoe ben
 line), and glibc's malloc gives blocks that large back to the kernel when they are freed, so
 every step page-faults its temporaries in again and the kernel zeroes them. tcmalloc that never
 releases memory, or jemalloc that never purges it, keeps what a step freed for the next one, so
-steps run faster (docs/performance.md, Allocator; `tools/bench_malloc.py`). The price: memory
+steps run faster (docs/performance/planning.md, Allocator; `tools/bench_malloc.py`). The price:
+memory
 a process frees stays with it for reuse, so its resident size stays at its high-water mark.
 
 `reexec` restarts the process once (same pid) with the first allocator installed, in this

@@ -1,5 +1,6 @@
 """Every shipped launch command runs: it validates for the processes and devices it starts, and
-its train state fits device memory (issue 24, point 9). Also: a big model with no data named
+its train state fits device memory (issue 24, point 9), and so do the train and bench lines of
+README.md and docs/ (issue 39). Also: a big model with no data named
 stops at validation with one line saying which data keys to set."""
 
 from __future__ import annotations
@@ -67,10 +68,18 @@ def local_commands() -> list[dict]:
                  memory=CPU_HOST_BYTES // (cfg.mesh.cpu_devices or 1))]
 
 
-def readme_commands() -> list[dict]:
-    """Every `maxmoe train|bench ...` in a README code block that names a config (one CPU
-    process, the config's fake device count); a bench --sweep gives one command per value."""
-    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", (ROOT / "README.md").read_text(), re.M | re.S)
+def doc_commands() -> list[dict]:
+    """Every `maxmoe train|bench ...` in a code block of README.md or docs/ that names a config
+    (one CPU process, the config's fake device count), those tests/test_doc_examples.py does not
+    run too; a bench --sweep gives one command per value."""
+    out = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        out += code_block_commands(path)
+    return out
+
+
+def code_block_commands(path: Path) -> list[dict]:
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", path.read_text(), re.M | re.S)
     out = []
     for line in (line for block in blocks for line in block.splitlines()):
         found = re.search(r"(?:^|&&\s*)maxmoe (train|bench) (.*)$", line)
@@ -79,6 +88,8 @@ def readme_commands() -> list[dict]:
         words, items, sweep = shlex.split(found.group(2), comments=True), [], [""]
         while words:
             word = words.pop(0)
+            if word == "--dry-run":
+                continue
             if word == "--sweep":
                 key, values = words.pop(0).split("=", 1)
                 sweep = [f"{key}={v}" for v in values.split(",")]
@@ -91,20 +102,21 @@ def readme_commands() -> list[dict]:
         for extra in sweep:
             args = items + ([extra] if extra else [])
             cfg, _ = load_config([a for a in args if "=" not in a], [a for a in args if "=" in a])
-            out.append(dict(where=f"README: {line.strip()}", verb=found.group(1), args=args,
+            where = f"{path.relative_to(ROOT)}: {line.strip()}"
+            out.append(dict(where=where, verb=found.group(1), args=args,
                             processes=1, devices=cfg.mesh.cpu_devices or 1,
                             memory=CPU_HOST_BYTES // (cfg.mesh.cpu_devices or 1)))
     return out
 
 
-COMMANDS = slurm_commands() + jobset_commands() + local_commands() + readme_commands()
+COMMANDS = slurm_commands() + jobset_commands() + local_commands() + doc_commands()
 
 
 def test_every_source_of_commands_is_read():
     wheres = {c["where"].split(":")[0] for c in COMMANDS}
     assert {"launch/slurm.sbatch", "launch/k8s_jobset.yaml", "launch/local_multiprocess.sh",
-            "README"} <= wheres
-    assert sum(c["where"].startswith("README") for c in COMMANDS) >= 5
+            "README.md"} <= wheres
+    assert sum(".md: " in c["where"] for c in COMMANDS) >= 5
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c['where']} {' '.join(c['args'])}")

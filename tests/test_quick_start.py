@@ -4,10 +4,8 @@ float32 loss curve.
 
 The unigram entropy of the eval tokens, with their frequencies taken from those same tokens, is
 the lowest cross-entropy any model that ignores context can reach on them; an eval loss below
-it means the model uses context. Measured against an entropy of 5.851 nats, with eval every
-10 steps: the 200-step run reads 6.19 at step 30 and 5.83 at step 40; a 60-step run (its
-schedule decays sooner) 5.852 at step 40 and 5.66 at step 50; the 60-step run below ends at
-5.59, 0.27 nats under.
+it means the model uses context. 60 steps are 1.5x the step where the eval loss first
+crossed it (the losses by step: docs/performance/planning.md, Quick start).
 
 One CLI run (a module fixture) serves both tests: its per-step float32 losses are the reference
 the float16 and bfloat16 runs, on the same batches and mesh, are compared with.
@@ -29,7 +27,7 @@ from maxmoe.sharding import global_batch, make_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import dcn_sizes, validate
 
-STEPS = 60  # 1.5 x the measured crossing step (see the module docstring)
+STEPS = 60  # 1.5 x the step where the eval loss first crossed the entropy (module docstring)
 
 
 def unigram_entropy_of_eval_tokens(cfg) -> float:
@@ -73,12 +71,12 @@ def test_float16_and_bfloat16_follow_float32_on_the_quick_start(quick_start):
     """The quick start's model, data pipeline and 2 data x 2 fsdp x 2 expert mesh for 60 steps,
     the same batches in each dtype; float32 is the CLI run's logged loss at every step.
 
-    Tolerance, set from one measured run (float32 from 7.65 nats to 5.32, last 10 steps):
-    - the first 20 steps within 0.01 nats of float32 (measured at most 3.8e-3, float16);
-    - every step within 0.25 nats (measured at most 0.156, bfloat16 at step 32): after step
-      20 the gaps grow tenfold and stay there, so from there on the bounds check that the
-      runs learn alike rather than step for step;
-    - the mean of the last 10 steps within 0.1 nats (measured 0.007 bfloat16, 0.060 float16).
+    Tolerance, set from one run (its gaps: docs/performance/precision-and-fp8.md, "Quick start
+    in float16 and bfloat16"):
+    - the first 20 steps within 0.01 nats of float32;
+    - every step within 0.25 nats: after step 20 the gaps grow tenfold and stay there, so from
+      there on the bounds check that the runs learn alike rather than step for step;
+    - the mean of the last 10 steps within 0.1 nats.
     """
     overrides, records = quick_start
     losses = [r for r in records if "loss" in r]

@@ -169,7 +169,7 @@ def test_state_dim_axes_on_one_device_shards_nothing():
 
 
 # 671B on 16 stages (58 MoE layers: 16 does not divide them), the rules' defaults and with the
-# stage axis on `embed` too (the pipelined layout of docs/performance.md)
+# stage axis on `embed` too (the pipelined layout of docs/performance/parallelism.md)
 V3_PIPELINE = ["data.seq_len=4096", "data.global_batch_size=4096", "mesh.data=1", "mesh.fsdp=2", "mesh.pipeline=16", "mesh.expert=64",
                          "mesh.dcn_fsdp=2", "mesh.dcn_pipeline=16", "mesh.dcn_expert=8",
                          "model.pipeline_microbatches=32", "model.pipeline_schedule=circular",

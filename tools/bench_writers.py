@@ -1,4 +1,4 @@
-"""What the metric writers cost (issue 26, docs/performance.md "Metric writers").
+"""What the metric writers cost (issue 26, docs/performance/observability.md "Metric writers").
 
     python tools/bench_writers.py loop [configs/tiny.yaml] [--steps 40] [--repeat 2]
         [--every 1 10] [--synthetic]

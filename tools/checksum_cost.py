@@ -1,4 +1,5 @@
-"""What checkpoint checksums cost at save time (issue 38.5, docs/performance.md "Checkpoint
+"""What checkpoint checksums cost at save time (issue 38.5,
+docs/performance/checkpoints-and-hugging-face.md "Checkpoint
 checksums").
 
     python tools/checksum_cost.py [configs/tiny.yaml] [KEY=VALUE...] [--saves 6]

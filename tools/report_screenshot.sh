@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Renders a `maxmoe report` page in headless Chromium and saves a PNG screenshot of its top:
-# the report's browser test (tests/report/test_browser.py) and the README's docs/img/report.png.
+# the report's browser test (tests/report/test_browser.py) and docs/observability.md's
+# docs/img/report.png.
 #   tools/report_screenshot.sh REPORT.html OUT.png [WIDTH,HEIGHT]     (default 1280,2000)
 # Exit 0 with OUT.png written; 2 when there is no browser or no page; 1 when the browser fails.
 # Host names resolve to nothing (--host-resolver-rules), so the page renders as it would offline.

@@ -1,7 +1,7 @@
 """The all-to-all rounds loop of one MoE layer under the deviceless XLA:GPU compile: its trip
 counts, the whiles without one, memory, and the bytes each rounds loop's body writes per trip
 (result sizes of its top-level fusions, custom calls, copies and collectives; collectives'
-results are whole buffers, so this overcounts what they move). docs/performance.md, "Static
+results are whole buffers, so this overcounts what they move). docs/performance/gpu.md, "Static
 dispatch rounds", has the figures.
 
     JAX_PLATFORMS=cpu PYTHONPATH=. .venv312/bin/python tools/rounds_cost.py \\

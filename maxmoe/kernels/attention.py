@@ -32,7 +32,7 @@ def _bias(mask: jax.Array) -> jax.Array:
     """0.0 where mask, MASKED elsewhere: a lookup in a two-entry table, not a select. XLA keeps
     a gather's result in memory, read once per score, while it re-derived a select's mask (the
     segment-id and causal comparisons) inside every exp fusion reading it once the layers are
-    unrolled (docs/performance.md, Attention kernel)."""
+    unrolled (docs/performance/planning.md, Attention kernel)."""
     return jnp.asarray([MASKED, 0.0], jnp.float32)[mask.astype(jnp.int32)]
 
 
@@ -58,7 +58,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     XLA:CPU multiplies fastest, and the layer scan stacks no [B, H, S, T] tensor. That costs
     one more Q K^T product per block (7 attention matmuls instead of 6), and uses less memory
     and time than autodiff of the same blocks, which kept the probabilities and transposed them
-    (docs/performance.md, Attention kernel).
+    (docs/performance/planning.md, Attention kernel).
     """
     return _attention_fwd(q, k, v, segment_ids, block_size)[0]
 

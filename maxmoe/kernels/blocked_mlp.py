@@ -47,7 +47,7 @@ def block_expert_mlp(x, token, row_weight, w_gate, w_up, w_down, bounds, fp8="no
     covers all of h, as in the ragged kernel and at the all-to-all senders); its gradient is
     rowsum((g @ Wd^T) * h) (tensorwise: rowsum(g * output), `_Expert.backward_rows`). Why
     this shape and not
-    ragged_dot or a batched matmul: docs/performance.md, Grouped matmul.
+    ragged_dot or a batched matmul: docs/performance/planning.md, Grouped matmul.
     fp8 (precision.fp8): tensorwise / blockwise run every matmul of a step on E4M3 operands
     (kernels/fp8.py; gate and up quantised apart; the weight gradients' token tiles are the
     step's rows, 128 at a time, empty slots zeroed so they count in no tile's amax).
@@ -280,7 +280,7 @@ def _block_expert_mlp_bwd(fp8, amax, res, gy):
 block_expert_mlp.defvjp(_block_expert_mlp_fwd, _block_expert_mlp_bwd)
 
 # blocks per loop step: 4 blocks of 128 rows make 512-row matmuls, which XLA:CPU runs on both
-# cores, and a quarter of the per-op overhead (docs/performance.md, Grouped matmul)
+# cores, and a quarter of the per-op overhead (docs/performance/planning.md, Grouped matmul)
 GROUP = 4
 
 

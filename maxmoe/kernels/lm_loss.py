@@ -94,7 +94,7 @@ def lm_head_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
     The backward computes the weight gradient as x^T (materialised) @ dlogits, a plain
     row-major matmul: left to autodiff, XLA:CPU transposed the [B*S, V] logit gradient and ran
-    a slow transposed-operand dot (docs/performance.md, Other ops of the step)."""
+    a slow transposed-operand dot (docs/performance/planning.md, Other ops of the step)."""
     return jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
 
 
@@ -118,7 +118,7 @@ lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
 def cross_entropy(logits, targets, mask, tokens=None):
     """Summed cross-entropy over mask's tokens / `tokens` (default: mask's own count)."""
     # on [tokens, vocab]: XLA:CPU's loop fusions index a 3-D [B, S, V] array with a broadcast
-    # [B, S] row statistic markedly slower (docs/performance.md, Other ops of the step)
+    # [B, S] row statistic markedly slower (docs/performance/planning.md, Other ops of the step)
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     return jnp.sum(ce * mask.reshape(-1)) / jnp.maximum(

@@ -1,4 +1,4 @@
-"""Per-layer diagnostics computed inside the train step on logged steps (README "Metrics"):
+"""Per-layer diagnostics computed inside the train step on logged steps (docs/observability.md):
 update/param ratios per layer and gradient norms per parameter group. Pure functions of
 param / gradient trees (layer groups stacked [L, ...] or per-layer trees under int keys with
 model.scan_layers=false, then MTP depths)."""
@@ -70,7 +70,7 @@ def _block_squares(block: dict, stacked: bool) -> dict[str, jax.Array]:
 
 
 def grad_norms_by_group(grads) -> dict[str, jax.Array]:
-    """Gradient norms per parameter group (README "Metrics"): per-layer groups [n] over the
+    """Gradient norms per parameter group (docs/observability.md): per-layer groups [n] over the
     layers that have them, in layer order then MTP depths (attention, norms: [L]; router,
     experts, shared: [L_moe]; dense_mlp: [L_dense]; mtp_projection: [mtp_depth]), and scalars
     embedding and head (the LM head and the final norm)."""

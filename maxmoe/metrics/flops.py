@@ -1,7 +1,8 @@
 """Model FLOPs per token and the peak FLOP/s that MFU is measured against.
 
 MFU = (model FLOPs per token x tokens per second) / (peak FLOP/s of all devices used).
-Model FLOPs per token (FLOP_CONVENTION, the README derives it next to MaxText's and Megatron's):
+Model FLOPs per token (FLOP_CONVENTION, docs/observability.md derives it next to MaxText's and
+Megatron's):
 6 x active params (incl. the LM head, router and norms, excl. the embedding lookup; MTP depths
 added) + 3 x layers x heads x (qk + v head dims) x seq for the attention scores and values,
 forward + backward, counted causally: half of the full S x S product, as MaxText
@@ -202,7 +203,7 @@ class MatmulPeak:
     """The practical peak of this host: the best FLOP/s a jitted square matmul reached in any
     of the runs `sample` timed. Best, not median: noise on a shared machine only ever slows a
     run down. `maxmoe bench` also samples it between its steps, so that a busy spell during
-    one burst of runs cannot set the peak low and the MFU high (docs/performance.md, CPU
+    one burst of runs cannot set the peak low and the MFU high (docs/performance/planning.md, CPU
     reference shape and MFU)."""
 
     def __init__(self, dtype=jnp.float32, size: int = 2048):

@@ -1,4 +1,4 @@
-"""The per-layer part of a metrics.jsonl record (README "Metrics"): the arrays a logged step
+"""The per-layer part of a metrics.jsonl record (docs/observability.md): the arrays a logged step
 writes, from the step's metrics on the host, as JSON-ready nested lists (non-finite values
 as None).
 

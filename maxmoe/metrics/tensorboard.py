@@ -1,6 +1,6 @@
 """TensorBoard event files from metrics records (tensorboardX: no TensorFlow needed).
 
-Tags (README "Metrics"), for any record:
+Tags (docs/observability.md), for any record:
 - a scalar: under its key;
 - an [L] array: one scalar per entry, `key/layer_NN` (NN the index in the array, two digits);
 - a dict of groups: `key/group/layer_NN` for an array, `key/group` for a scalar; a dict keyed
@@ -82,7 +82,8 @@ class Heatmap:
     over the array's finite min..max, non-finite cells black), each cell a block of pixels
     -> uint8 RGB [H, W, 3]. A colormap lookup, not a drawn figure: matplotlib's canvas took
     ~22 ms of the loop's CPU per logged step, which on a CPU backend the step pays for
-    (docs/performance.md, Metric writers). The image's tag names the array and step."""
+    (docs/performance/observability.md, Metric writers). The image's tag names the array and
+    step."""
 
     def __init__(self, target_pixels: int = 512):
         self.target = target_pixels  # the longer side is scaled up to about this

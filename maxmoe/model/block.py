@@ -113,7 +113,7 @@ def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
     """Applies per-layer blocks (model.scan_layers=false) in order, unrolled; aux [L, ...].
 
     Each layer's params are their own arrays, so no weight is sliced out of a stack and no
-    gradient concatenated back (docs/performance.md, Layer scan vs unrolled)."""
+    gradient concatenated back (docs/performance/planning.md, Layer scan vs unrolled)."""
     graphdef, _ = nnx.split(blocks[0])
 
     def body(h, layer_state):

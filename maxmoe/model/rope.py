@@ -60,7 +60,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: AttentionConfig,
     rows restart positions at each document, so they stay below S; one outside [0, S) gives
     NaN, never a silently wrong angle). cos(position * frequency) computed per token instead
     was fused by XLA into every q/k rotation of unrolled layers, re-evaluated per element
-    (docs/performance.md, Attention kernel).
+    (docs/performance/planning.md, Attention kernel).
     """
     inv_freq, scale = rope_frequencies(cfg, x.shape[-1])
     angles = jnp.arange(length or x.shape[1], dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)

@@ -20,7 +20,7 @@ every round runs whether rows fill it or not. Empty rounds move no rows (ragged_
 send sizes are 0) and give the grouped GEMM empty groups, yet the slot gathers, the zeroing
 and the combine's scatter run on whole buffers: ceil(ep min(K, El) / (c K)) rounds where
 balanced routing fills 1, which at large ep likely costs more than the syncs it removes
-(docs/performance.md, Static dispatch rounds, with the way to make empty rounds cheap; a
+(docs/performance/gpu.md, Static dispatch rounds, with the way to make empty rounds cheap; a
 larger moe.transport_buffer_factor c trades buffer memory for fewer rounds). moe.transport_rounds N
 > 0 runs N rounds instead, Megatron's capacity-factor trade: what does not fit is dropped.
 `plan_rounds` measures the rounds the data needed (the dispatch_rounds metric) and counts the
@@ -267,7 +267,7 @@ def _rounds_fwd(route, x, w, w_gate, w_up, w_down, *routing):
 def _rounds_bwd(route, res, gy):
     """Gradients summed over rounds in float32, cast to each input's dtype once at the end:
     summed in bf16, every round's add rounded to the running sum and the weight-gradient error
-    grew with the round count (docs/performance.md, Multi-round gradients). The float32
+    grew with the round count (docs/performance/parallelism.md, Multi-round gradients). The float32
     accumulators of the local expert weights are what the blocked kernel holds too (it sums
     its weight gradients inside, `_blocked_round_grads`)."""
     x, w, w_gate, w_up, w_down, *routing = res

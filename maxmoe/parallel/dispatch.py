@@ -56,7 +56,7 @@ from maxmoe.sharding import mesh_platform
 # auto: all_gather while the expert axis has at most this many shards (a host's GPUs) and
 # lies inside one host (NVLink); all_to_all otherwise. all_gather's buffers hold T ep rows,
 # all_to_all's c T K: below ep = c K (12 for DeepSeek-V3's K 8 at c 1.5) all_gather's are the
-# smaller ones (docs/performance.md, Expert-parallel transports)
+# smaller ones (docs/performance/parallelism.md, Expert-parallel transports)
 AUTO_ALL_GATHER_MAX_EP = 8
 
 
@@ -65,7 +65,7 @@ def choose_transport(moe: MoEConfig, ep: int, ep_hosts: int) -> str:
     moe.transport unless it is auto; auto = all_gather if ep <= AUTO_ALL_GATHER_MAX_EP and
     ep_hosts == 1, else all_to_all. auto never picks two_level: it saves cross-host bytes but
     its hop-1 buffers come on top of all_to_all's, and memory is what binds the target
-    layouts (docs/performance.md, Expert-parallel transports)."""
+    layouts (docs/performance/parallelism.md, Expert-parallel transports)."""
     if moe.transport != "auto":
         return moe.transport
     return "all_gather" if ep <= AUTO_ALL_GATHER_MAX_EP and ep_hosts == 1 else "all_to_all"

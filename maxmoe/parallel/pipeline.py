@@ -20,7 +20,7 @@ them every iteration).
 Each iteration's stage pass is rematerialised (per-iteration remat): the backward keeps only
 the stage inputs, one microbatch's [B/M, S, D] per iteration (bf16 ones as float32 words of
 their bytes, `_pack`), and recomputes the pass (one more forward of the pipelined layers), so
-the weights each stage picked are not kept per iteration (docs/performance.md, "Pipeline
+the weights each stage picked are not kept per iteration (docs/performance/parallelism.md, "Pipeline
 memory at scale").
 
 Outside the pipeline the stage axes split the batch like data (config.DEFAULT_RULES): the
@@ -357,7 +357,8 @@ def _pack(h: jax.Array, dtype) -> jax.Array:
     cross both packed the same way. Saved as bf16, XLA:CPU's float normalisation upcasts the
     saved stack's per-iteration update and read to float32 and hoists the read's conversion
     out of the backward loop: a float32 copy and a second bf16 copy of the whole stack
-    (docs/performance.md, "Stage inputs and stacks"); float32 words are moved as they are."""
+    (docs/performance/parallelism.md, "Stage inputs and stacks"); float32 words are moved as they
+    are."""
     return _words(h)
 
 

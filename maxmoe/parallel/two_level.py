@@ -32,7 +32,8 @@ Cross-host bytes against all_to_all: hop 1's buffers hold (H - 1) T rows bound f
 hosts, all_to_all's (ep - L) cap >= (H - 1) / H c T K per exchange, a ratio of at most
 H / (c K) (c = moe.transport_buffer_factor); with H <= c groups_per_token that is at most
 groups_per_token / K. The rows routing fills (what the ragged form sends) are at most T
-groups_per_token (H - 1) / H against T K (H - 1) / H (docs/performance.md, two_level under
+groups_per_token (H - 1) / H against T K (H - 1) / H (docs/performance/parallelism.md, two_level
+under
 the pipeline).
 """
 

@@ -172,7 +172,8 @@ def hosts_reached(experts: int, per_token: int, groups: int, groups_per_token: i
 # asynchronously beside the neighbouring layers' compute, so those hide well; the MoE
 # dispatch/combine all-to-alls sit on the critical path between router and experts and hide only
 # where micro-batches are interleaved (DeepSeek's DualPipe), which maxmoe does not do. Half is an
-# assumption between those two until a GPU profile measures it (docs/performance.md). XLA:GPU
+# assumption between those two until a GPU profile measures it (docs/performance/gpu.md, Overlap
+# read from the XLA:GPU schedule). XLA:GPU
 # plans read the exposed time from the compiled schedule instead (plan/overlap.py).
 COMM_OVERLAP = 0.5
 

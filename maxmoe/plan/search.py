@@ -144,7 +144,7 @@ SAVED_PER_LAYER = {"full": 1.0, "save_named": 4.0, "dots": 10.0, "offload_named"
 LOGITS_COPIES = 7  # [tokens, vocab / tensor] float32: logits, softmax, their gradients
 # [vocab, D / tensor] float32 tables: the embedding's and LM head's float32 compute copies,
 # the embedding gather's and the head's gradients and their partial sums (8 such buffers of
-# 3.45 GiB each in the 671B compile at ep64 x fsdp32: docs/performance.md, Scale memory)
+# 3.45 GiB each in the 671B compile at ep64 x fsdp32: docs/performance/planning.md, Scale memory)
 VOCAB_TABLE_COPIES = 8
 UPDATE_COPIES = 2  # of the largest parameter leaf: gradient accumulation over the layer scan
 
@@ -229,7 +229,8 @@ def moe_rows(cfg: Config, layout: Layout, t: float) -> float:
 ALL_TO_ALL_EXCHANGES = 6
 # of those, the dispatch forward and its re-send travel in E4M3 with one float32 scale per 128
 # elements under precision.fp8 (kernels/fp8.e4m3_wire); the combine and the gradients in the
-# compute dtype. Tiny's compiled all-to-all fell by two exchanges' worth (docs/performance.md,
+# compute dtype. Tiny's compiled all-to-all fell by two exchanges' worth
+# (docs/performance/precision-and-fp8.md,
 # "FP8 dispatch")
 FP8_DISPATCH_EXCHANGES = 2
 FP8_WIRE_BYTES = 1 + 4 / 128

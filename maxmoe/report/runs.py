@@ -1,5 +1,5 @@
 """Reading run directories for `maxmoe report`: metrics.jsonl, events.jsonl, config.yaml and
-plan.json (docs: the observability contract in README "Metrics").
+plan.json (docs: the observability contract in docs/observability.md).
 
 Every key but `step` is optional, so a run of any maxmoe version renders. What a killed run
 leaves (a truncated last line) and lines that are not JSON objects are skipped and named in

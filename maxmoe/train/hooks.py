@@ -42,7 +42,7 @@ class LogWindow:
 
     def close(self, host: dict, extra: dict) -> dict:
         """The record of the step whose host metrics are `host` (plus hooks' `extra`, e.g. the
-        eval loss): its scalars, the per-layer arrays of README "Metrics" (metrics/layers.py)
+        eval loss): its scalars, the per-layer arrays of docs/observability.md (metrics/layers.py)
         and tokens/s, MFU and host costs over the window; starts the next one."""
         steps, tokens = self.steps, self.setup.tokens_per_step
         elapsed = time.perf_counter() - self.started - self.excluded_s

@@ -1,6 +1,6 @@
 """The training loop: data -> jitted step -> metrics -> async checkpoints, with auto-resume.
 
-Fault tolerance (README "Multi-host launch and fault tolerance"):
+Fault tolerance (docs/multi-host-and-faults.md):
 - resume: the newest checkpoint that reads back (corrupt ones are moved aside, see
   Checkpointer.resume); bit-exact on the same mesh and process layout;
 - another process count, worker count or data config than the checkpoint's: params and

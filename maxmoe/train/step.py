@@ -219,7 +219,7 @@ PER_LAYER_ONLY = ("router_entropy", "dropped_fraction_by_layer")
 
 def per_layer_metrics(cfg: Config, graphdef, metrics: dict, grads, new_params, new_buffers,
                       diagnose) -> dict:
-    """`metrics` with the per-layer arrays of README "Metrics" that the step adds
+    """`metrics` with the per-layer arrays of docs/observability.md that the step adds
     (grad_norm_by_group on logged steps, router_bias after the step's update) or, with
     logging.per_layer=false, without the model's per-layer arrays (PER_LAYER_ONLY)."""
     if not cfg.logging.per_layer:

@@ -212,7 +212,8 @@ SLACK = 32 * 2**20
 @pytest.mark.slow
 def test_peak_rss_is_one_tensor_and_a_few_chunks_not_the_model(tmp_path):
     """A 172 MB bf16 checkpoint (343 MB as float32 params; main's whole-model path peaks about
-    350 MiB above the fixed cost, over this bound: docs/performance.md)."""
+    350 MiB above the fixed cost, over this bound:
+    docs/performance/checkpoints-and-hugging-face.md)."""
     cfg, _ = load_config([str(ROOT / "configs" / "models" / "tiny_deepseek_v3.yaml")], [
         "model.hidden_size=512", "model.vocab_size=16384", "moe.num_experts=16",
         "moe.expert_mlp_size=512", "model.dense_mlp_size=1024"])

@@ -1,5 +1,6 @@
 """The model-FLOPs count MFU is measured with agrees with MaxText's
-`calculate_tflops_training_per_device` (maxtext_utils.py), the convention the README documents."""
+`calculate_tflops_training_per_device` (maxtext_utils.py), the convention docs/observability.md
+documents."""
 
 import pytest
 

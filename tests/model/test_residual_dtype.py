@@ -9,7 +9,8 @@ layer boundary.
 (The float32 [L, B, S, D] buffer that `maxmoe plan` listed for bfloat16 runs is XLA:CPU's,
 not the model's: its bfloat16 normalisation upcasts dynamic-slice, and while-loop invariant
 code motion then hoists a convert of the whole saved stack out of the backward loop. XLA:GPU's
-deviceless compile of the same step keeps the stack bfloat16; docs/performance.md.)
+deviceless compile of the same step keeps the stack bfloat16;
+docs/performance/precision-and-fp8.md.)
 """
 
 import jax

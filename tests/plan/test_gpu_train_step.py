@@ -2,7 +2,6 @@
 `auto` picks there: the MoE's grouped GEMMs and attention must be tokamax's Mosaic GPU custom
 calls, with no dense-expansion buffer and no S x S float scores. The `gpu_aot` group (marker);
 skipped without jax's CUDA plugin or tokamax (`pip install -e ".[cuda,test]"`, Python >= 3.12).
-Each compile takes about a minute on 2 cores.
 
 Layouts: tiny (GQA, head dim 32) on 2 fsdp x 2 expert x 2 tensor; tiny DeepSeek-V3 with
 DeepSeek-V3's MLA head dims (q/k 192, v 128) on 2 data x 2 expert x 2 tensor, the expert axis

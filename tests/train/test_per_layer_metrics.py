@@ -1,4 +1,5 @@
-"""Per-layer metrics (README "Metrics"): the step's arrays have the documented shapes and
+"""Per-layer metrics (docs/observability.md, Metrics): the step's arrays have the documented shapes
+and
 agree between stacked and unrolled layers; the real loop writes them to metrics.jsonl; a
 router that starves experts is caught (guard.router_action warn and stop)."""
 

@@ -3,7 +3,7 @@
 Property: after each refusal (exit 2), the existing run directory holds exactly the same
 files and folders with the same bytes (md5 of every file), and no new file or folder appears
 beside it (a refused new run.dir is not created). Refusals covered: a model layout other than
-the checkpoints' (the README's Data-section mistake: a new vocab size on an existing run), a
+the checkpoints' (docs/data.md's mistake: a new vocab size on an existing run), a
 train.init_from of another layout, a data source that does not exist, a mesh that does not
 divide the model.
 """
