@@ -240,7 +240,7 @@ FP8_WIRE_BYTES = 1 + 4 / 128
 # two gradients, and the dispatch again where remat re-runs the layer's forward (the combine's
 # re-run is dead code). Compiled tiny DeepSeek (expert 8 over 2 hosts, XLA:GPU), hop 1's
 # cross-host bytes are exactly 4 (remat none) and 5 (full) buffers of token rows per layer, plus
-# the small router-weight and expert-id exchanges ("two_level priced at routed bytes", docs)
+# the small router-weight and expert-id exchanges (docs/performance/planning.md, "two_level priced at routed bytes")
 TWO_LEVEL_HOP1_EXCHANGES = {"none": 4, "recomputed": 5}
 
 

@@ -35,7 +35,7 @@ from tests.helpers import small_config
 ROOT = Path(__file__).resolve().parents[2]
 WARNING = "Involuntary full rematerialization"
 
-# compiles the real train step of the README's pipeline example (tiny DeepSeek-V3: MLA, MTP,
+# compiles the real train step of configs/mesh/cpu8_pipeline.yaml (tiny DeepSeek-V3: MLA, MTP,
 # sigmoid group-limited routing) once per override list (argv: lists separated by "--") and
 # prints each one's temporary bytes per device after it
 COMPILE = """

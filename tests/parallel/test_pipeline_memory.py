@@ -3,7 +3,7 @@
 Differentiating the scan over pipeline iterations keeps, for the backward, whatever each
 iteration computed from its loop index: the weights each stage picked for its pass. Kept per
 iteration, that is iterations x one stage's weights (13B on 8 stages: 243 GiB of temporaries,
-docs/performance.md "Pipeline memory at scale"); per-iteration remat keeps only the stage inputs.
+docs/performance/parallelism.md "Pipeline memory at scale"); per-iteration remat keeps only the stage inputs.
 """
 
 import math

@@ -5,7 +5,7 @@ pipeline. With the stage axis among the batch axes there (config.DEFAULT_RULES) 
 1/P of that work on 1/P of the rows; inside, `sharding.within_stages` takes the stage axes out
 of "batch" again, so the stages see their microbatch rows as before. Before, every stage ran the
 whole batch's outside work: the 671B and 13B pipelined plans missed their memory targets by
-10x on those buffers (docs/performance.md, "Pipeline memory at scale"). The compiled step's
+10x on those buffers (docs/performance/parallelism.md, "Pipeline memory at scale"). The compiled step's
 temporaries against the old rules: tests/parallel/test_pipeline.py, which compiles that layout
 once for its replication check too.
 """

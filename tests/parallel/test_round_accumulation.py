@@ -7,7 +7,7 @@ upcast to float32 on one device (`dropless_local`, no rounds). Error: max |dW - 
 per weight. Bound: at 64 rounds within 1.25x (+1e-4) of the same transport's one-round error
 (the bf16 floor of the matmuls themselves, observed 3.2e-3 to 4.6e-3) and below 6e-3. Summed in
 bf16 over the rounds, the 64-round error was 1.0e-2 / 1.2e-2 / 1.7e-2 (w_gate / w_up / w_down);
-summed in float32 it is 3.4e-3 / 3.2e-3 / 4.6e-3 (docs/performance.md, Multi-round gradients).
+summed in float32 it is 3.4e-3 / 3.2e-3 / 4.6e-3 (docs/performance/parallelism.md, Multi-round gradients).
 """
 
 import functools

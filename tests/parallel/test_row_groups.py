@@ -65,7 +65,7 @@ def test_groups_that_do_not_divide_the_rows_are_refused():
         validate(cfg, 1, origins)
 
 
-# the README's pipeline model (tiny DeepSeek-V3: a dense layer, MLA, MTP with its own MoE
+# the tiny DeepSeek-V3 pipeline model (configs/models/tiny_deepseek_v3.yaml: a dense layer, MLA, MTP with its own MoE
 # layer) on 4 stages x fsdp 2, head-heavy: a 16384-token vocabulary, no lm_loss_chunk, so the
 # logits f32 [rows, 64, 16384] (4 MiB a row) and their gradient dominate; 64 sequences, 8 rows
 # a device outside the pipeline
