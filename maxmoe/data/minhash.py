@@ -9,7 +9,7 @@ buckets agree. For shingle sets of Jaccard similarity s that happens with probab
 an S-curve whose midpoint is about (1/b) ** (1/r). There is no verification step after the
 buckets, so P(s) is both the recall at s and the false-positive rate at s.
 
-Why these values (measured on tools/near_dup_corpus.py's corpus; figures in
+Why these values (measured on maxmoe/data/synthetic_dups.py's corpus; figures in
 docs/pending/dedupq.md): planted near-duplicates edit 1-5% of words, hard negatives share
 boilerplate at Jaccard 0.3-0.7, and the targets are recall >= 0.98 and <= 1% false positives.
 Editing a fraction p of words keeps about (1-p)**n of the n-gram shingles, so Jaccard is
@@ -37,7 +37,7 @@ class MinhashParams:
     ngram: int = 1
     # buckets (LSH bands) b: with r = 18, P(0.90) = 0.990 and P(0.70) = 0.045, a mean of 0.42%
     # over Jaccard 0.3-0.7; the fewest hashes (504) with P(0.90) >= 0.98 at <= 0.5% mean
-    # false positives, found by scanning b x r (tools/near_dup_corpus.py --scan)
+    # false positives, found by scanning b x r (tools/dedup_figures.py scan)
     num_buckets: int = 28
     # hashes per bucket (LSH rows) r: sets the S-curve's steepness, midpoint (1/28)**(1/18) = 0.83
     hashes_per_bucket: int = 18
