@@ -192,9 +192,11 @@ def generate(spec: CorpusSpec, out_dir: str, params: MinhashParams | None = None
             truth.near_dups.append((original[0], docs[-1][0],
                                     jaccard(shingle(original[1]), shingle(text)), kind))
     for _ in range(n_negative_pairs):
-        body_a, body_b = _body(words, rng), _body(words, rng)
-        target = rng.uniform(*HARD_NEGATIVE_RANGE)
-        header, footer, j = _boilerplate(words, rng, shingle, body_a, body_b, target)
+        j = -1.0
+        while not HARD_NEGATIVE_RANGE[0] <= j <= HARD_NEGATIVE_RANGE[1]:  # the search can overshoot
+            body_a, body_b = _body(words, rng), _body(words, rng)
+            target = rng.uniform(*HARD_NEGATIVE_RANGE)
+            header, footer, j = _boilerplate(words, rng, shingle, body_a, body_b, target)
         docs.append((f"h{len(docs)}", _render(header, body_a, footer)))
         docs.append((f"h{len(docs)}", _render(header, body_b, footer)))
         truth.hard_negatives.append((docs[-2][0], docs[-1][0], j))
@@ -265,8 +267,12 @@ def run_local(input_dir: str, work_dir: str, params: MinhashParams | None = None
     bucket stage runs one task per bucket and the cluster stage one task, as datatrove requires.
     """
     from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup import (MinhashDedupBuckets, MinhashDedupCluster,
-                                          MinhashDedupFilter, MinhashDedupSignature)
+    from datatrove.pipeline.dedup import (
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
     from datatrove.pipeline.readers import JsonlReader
 
     config = minhash_config(params)
