@@ -73,6 +73,11 @@ def quality(args) -> None:
         lo, hi = (float(x) for x in name.strip("[)]").split(","))
         print(f"| {name} | {total} | {hit} | {hit / total:.3f} | "
               f"{params.detection_probability((lo + hi) / 2):.3f} |")
+    print("\n| kind of copy | pairs | recall | lowest true Jaccard |")
+    print("|---|---|---|---|")
+    for kind, (hit, total) in result["recall_by_kind"].items():
+        low = min(j for _, _, j, k in truth.near_dups if k == kind)
+        print(f"| {kind} | {total} | {hit / total:.4f} | {low:.3f} |")
     print("\n| true Jaccard | hard-negative pairs | merged | FP rate |")
     print("|---|---|---|---|")
     for name, (hit, total) in result["hard_negative_fp_by_bin"].items():

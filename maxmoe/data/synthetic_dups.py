@@ -27,6 +27,15 @@ import json
 import os
 import random
 
+from datatrove.executor import LocalPipelineExecutor
+from datatrove.pipeline.dedup import (
+    MinhashDedupBuckets,
+    MinhashDedupCluster,
+    MinhashDedupFilter,
+    MinhashDedupSignature,
+)
+from datatrove.pipeline.readers import JsonlReader
+from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.text import ngrams, simplify_text
 
 from maxmoe.data.minhash import MinhashParams, minhash_config, word_tokenizer
@@ -235,10 +244,11 @@ def score(truth: GroundTruth, cluster_of: dict[str, int], survivors: set[str]) -
     def joined(a, b):
         return cluster_of.get(a, -1) != -1 and cluster_of.get(a) == cluster_of.get(b)
     bins: dict[str, list[int]] = {}
-    for a, b, j, _ in truth.near_dups:
-        hit = bins.setdefault(_bin(j), [0, 0])
-        hit[0] += joined(a, b)
-        hit[1] += 1
+    kinds: dict[str, list[int]] = {}
+    for a, b, j, kind in truth.near_dups:
+        for hit in (bins.setdefault(_bin(j), [0, 0]), kinds.setdefault(kind, [0, 0])):
+            hit[0] += joined(a, b)
+            hit[1] += 1
     negative_bins: dict[str, list[int]] = {}
     for a, b, j in truth.hard_negatives:
         hit = negative_bins.setdefault(_bin(j), [0, 0])
@@ -249,6 +259,7 @@ def score(truth: GroundTruth, cluster_of: dict[str, int], survivors: set[str]) -
     return {
         "recall": recalled / max(1, len(truth.near_dups)),
         "recall_by_bin": dict(sorted(bins.items())),
+        "recall_by_kind": dict(sorted(kinds.items())),
         "hard_negative_fp": false_pos / max(1, len(truth.hard_negatives)),
         "hard_negative_fp_by_bin": dict(sorted(negative_bins.items())),
         "unrelated_removed": sum(u not in survivors for u in truth.unrelated),
@@ -266,15 +277,6 @@ def run_local(input_dir: str, work_dir: str, params: MinhashParams | None = None
     go under `work_dir`. `tasks` reads that many files in the signature and filter stages; the
     bucket stage runs one task per bucket and the cluster stage one task, as datatrove requires.
     """
-    from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup import (
-        MinhashDedupBuckets,
-        MinhashDedupCluster,
-        MinhashDedupFilter,
-        MinhashDedupSignature,
-    )
-    from datatrove.pipeline.readers import JsonlReader
-
     config = minhash_config(params)
     path = functools.partial(os.path.join, work_dir)
     stages = [
@@ -301,7 +303,6 @@ def run_local(input_dir: str, work_dir: str, params: MinhashParams | None = None
 
 
 def _writer(folder: str):
-    from datatrove.pipeline.writers import JsonlWriter
     return JsonlWriter(folder, output_filename="${rank}.jsonl", compression=None)
 
 
