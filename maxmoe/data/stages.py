@@ -26,7 +26,6 @@ import shutil
 from pathlib import Path
 
 from datatrove.data import Document, DocumentsPipeline
-from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup import (
     MinhashDedupBuckets,
@@ -40,14 +39,11 @@ from datatrove.pipeline.dedup.exact_dedup import (
     ExactDedupSignature,
     ExactFindDedups,
 )
-from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
-from datatrove.utils.hashing import HashConfig, create_hash_func
 
-from maxmoe.data import shards
+from maxmoe.data import minhash, shards
 from maxmoe.data.steps import (
-    WORD,
     CharacterFilter,
     Decontaminate,
     InputReader,
@@ -68,33 +64,10 @@ def _text(doc: Document) -> bytes:
     return doc.text.encode("utf-8", "surrogatepass")
 
 
-def minhash_config() -> MinhashConfig:
-    """datatrove's MinHash parameters (5-grams, 14 buckets x 8 hashes) until dedupq's
-    maxmoe/data/minhash.py states the measured ones."""
-    # sha1: datatrove's default xxhash function is given str n-grams, which xxhash 3 refuses
-    return MinhashConfig(hash_config=HashConfig(hash_fc="sha1", precision=64))
-
-
-class _Words:
-    """Offline word tokenizer for the signatures: datatrove's English one needs spaCy."""
-
-    def word_tokenize(self, text: str) -> list[str]:
-        return WORD.findall(text)
-
-
-class _Signatures(MinhashDedupSignature):
-    def __init__(self, output_folder: str, config: MinhashConfig):
-        PipelineStep.__init__(self)
-        self.output_folder = get_datafolder(output_folder)
-        self.config = config
-        self.num_hashes = config.num_buckets * config.hashes_per_bucket
-        self._parameters = None
-        self._hash_func = create_hash_func(config.hash_config)
-        self.language, self.word_tokenizer, self.skip_existing_sigs = "en", _Words(), False
-
-
 def signature_step(output_folder: str) -> PipelineStep:
-    return _Signatures(output_folder, minhash_config())
+    """datatrove's MinHash signature stage with maxmoe's parameters and offline words."""
+    return MinhashDedupSignature(output_folder, minhash.minhash_config(),
+                                 language=minhash.word_tokenizer())
 
 
 class RankReader(JsonlReader):
@@ -137,7 +110,7 @@ def build_stages(files: list[str], out: Path, options) -> list[Stage]:
 
     write = survivors()
     if options.near_dedup:
-        config = minhash_config()
+        config = minhash.minhash_config()
         stages += [
             Stage("signatures", survivors() + [signature_step(str(work / "minhash_sigs"))],
                   tasks),

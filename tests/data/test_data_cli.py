@@ -44,6 +44,13 @@ def test_tokenizer_then_prepare(corpus, tmp_path, capsys):
                  str(out), "--json-field", "content", "--min-characters", "20",
                  "--workers", "1"]) == 0
     assert json.loads((out / "manifest.json").read_text()) == manifest
+    # another run's settings into the same folder: one line, exit 2, the shards left alone
+    capsys.readouterr()
+    assert main(["data", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out",
+                 str(out), "--json-field", "content", "--seed", "1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "holds the shards of another prepare run" in error and len(error.splitlines()) == 1
+    assert json.loads((out / "manifest.json").read_text()) == manifest
 
 
 @pytest.mark.parametrize("arguments, message", [
@@ -58,6 +65,8 @@ def test_tokenizer_then_prepare(corpus, tmp_path, capsys):
       "slurm"], "--partition"),
     (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--dry-run"],
      "--dry-run"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--executor",
+      "ray", "--ray-address", "127.0.0.1:1"], "no Ray cluster answers there"),
     (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o",
       "--languages", "en,xx"], "--languages"),
     (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{corpus}"],

@@ -13,7 +13,7 @@ import pytest
 import zstandard
 
 from maxmoe.config import ConfigError
-from maxmoe.data import shards, stages as stages_module
+from maxmoe.data import minhash, shards, stages as stages_module
 from maxmoe.data.executors import LaunchOptions
 from maxmoe.data.filters import FilterOptions
 from maxmoe.data.prepare import PrepareOptions, prepare
@@ -111,8 +111,11 @@ def test_filters_count_what_they_drop(tokenizer_dir, tokenizer, tmp_path):
     # exact duplicates only count once their original has been seen: put originals first
     documents.sort(key=lambda t: t not in keep_set)
     _jsonl(tmp_path / "docs.jsonl", documents)
+    # near dedup off: word salad over 100 words is near-duplicate word sets (MinHash drops
+    # them before the token filter, which runs on the survivors)
     options = PrepareOptions(filters=FilterOptions(
-        min_characters=50, max_characters=5000, max_tokens=600, languages=("en",)), **QUIET)
+        min_characters=50, max_characters=5000, max_tokens=600, languages=("en",)),
+        **{**QUIET, "near_dedup": False})
     manifest = prepare([str(tmp_path / "docs.jsonl")], str(tokenizer_dir), str(tmp_path / "out"),
                        options)
     assert manifest["dropped"] == {reason: len(texts) for reason, texts in planted.items()}
@@ -184,7 +187,8 @@ def test_failed_task_reruns_alone_to_the_same_output(planted, tokenizer_dir, tmp
     assert not (out / shards.MANIFEST).exists() and (out / "train-00000.array_record").exists()
     (out / "train-00001.array_record").write_bytes(b"half-written debris")
     finished = {p: p.stat().st_mtime_ns for p in (out / "logs").glob("*/completions/*")}
-    assert len(finished) == 2 + 1 + 2 + 14 + 1 + 1  # clean exact signatures buckets cluster write
+    buckets = minhash.MinhashParams().num_buckets
+    assert len(finished) == 2 + 1 + 2 + buckets + 1 + 1  # clean exact signatures buckets ...
 
     resumed = prepare([str(root)], str(tokenizer_dir), str(out), options)
     assert ranks == [0, 1, 1]  # the rerun ran write task 1 alone; nothing before it
@@ -213,7 +217,8 @@ def test_decontamination_drops_documents_sharing_a_13_gram(tokenizer_dir, tokeni
     _jsonl(tmp_path / "train.jsonl", train[3:] + leaked + near_miss)
     manifest = prepare([str(tmp_path / "train.jsonl")], str(tokenizer_dir),
                        str(tmp_path / "out"),
-                       PrepareOptions(decontaminate=(str(tmp_path / "eval.jsonl"),), **QUIET))
+                       PrepareOptions(decontaminate=(str(tmp_path / "eval.jsonl"),),
+                                      **{**QUIET, "near_dedup": False}))
     assert manifest["dropped"] == {"contaminated": 2}
     assert sorted(_written(tmp_path / "out", tokenizer)) == sorted(train[3:] + near_miss)
 
@@ -228,8 +233,8 @@ def test_slurm_dry_run_writes_the_job_arrays(planted, tokenizer_dir, tmp_path):
     jobs = [p.name.split("-", 1)[1].removesuffix(".sbatch") for p in scripts]
     stages = ["clean", "exact", "signatures", "buckets", "cluster", "write", "manifest"]
     assert jobs == [part for s in stages for part in (f"maxmoe-{s}", f"maxmoe-{s}-stats")]
-    arrays = {"clean": 3, "exact": 1, "signatures": 3, "buckets": 14, "cluster": 1, "write": 3,
-              "manifest": 1}
+    arrays = {"clean": 3, "exact": 1, "signatures": 3, "buckets": minhash.MinhashParams().num_buckets,
+              "cluster": 1, "write": 3, "manifest": 1}
     for path, job in zip(scripts[::2], stages, strict=True):
         text = path.read_text()
         assert f"#SBATCH --array=0-{arrays[job] - 1}" in text
