@@ -2,9 +2,10 @@
 object store, nothing outside this machine): the same shards as the local executor, shards a
 training run reads, and a task that dies mid-run and reruns alone to the same output.
 
-The task dies by an exception: a worker process killed outright (os._exit, as an OOM kill)
-leaves datatrove 0.10.1's RayPipelineExecutor waiting on the lost task forever (Ray 2.60,
-checked 2026-12-07), so that case is not tested here."""
+The task dies by an exception: a task process killed outright (os._exit, as an OOM kill)
+leaves datatrove 0.10.1's RayPipelineExecutor waiting forever (its Ray actor runs the task in
+a multiprocess pool, whose starmap waits for the dead child; Ray 2.60, checked 2026-12-07),
+so that case is not tested here."""
 
 import json
 import os
