@@ -52,18 +52,6 @@ class ReadErrors:
         if len(self.examples) < _EXAMPLES_KEPT:
             self.examples.append(f"{path}: {kind} ({detail})")
 
-    def take(self) -> ReadErrors:
-        """A copy of what was counted so far; this object starts again from zero."""
-        taken = ReadErrors()
-        taken.counts, taken.examples = self.counts, self.examples
-        self.counts, self.examples = collections.Counter(), []
-        return taken
-
-    def merge(self, other: ReadErrors) -> None:
-        self.counts.update(other.counts)
-        room = _EXAMPLES_KEPT - len(self.examples)
-        self.examples.extend(other.examples[:max(room, 0)])
-
 
 def list_inputs(inputs: list[str]) -> list[str]:
     """Sorted absolute paths of the files named by `inputs` (directories, globs, files)."""

@@ -32,17 +32,27 @@ def test_tokenizer_then_prepare(corpus, tmp_path, capsys):
     out = tmp_path / "prepared"
     assert main(["data", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out",
                  str(out), "--json-field", "content", "--min-characters", "20",
-                 "--no-progress", "--workers", "1"]) == 0
+                 "--workers", "1", "--tasks", "3"]) == 0
     captured = capsys.readouterr()
     assert "151 documents read from 2 files" in captured.out
     assert "dropped 1 too few characters" in captured.out
     assert "skipped 1 malformed json" in captured.err and "bad.jsonl:2" in captured.err
     manifest = json.loads((out / "manifest.json").read_text())
     assert sum(manifest["documents_written"].values()) == 150
-    # the same command again finds every shard finished
+    # 2 files, 3 tasks: task 0 reads bad.jsonl (nothing survives), task 1 docs.jsonl, task 2
+    # nothing; a task without survivors writes no shard file
+    assert [sorted(s["files"]) for s in manifest["shards"]] == [[], ["train", "validation"], []]
+    # the same command again finds every task finished
     assert main(["data", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out",
                  str(out), "--json-field", "content", "--min-characters", "20",
-                 "--no-progress", "--workers", "1"]) == 0
+                 "--workers", "1", "--tasks", "3"]) == 0
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    # another run's settings into the same folder: one line, exit 2, the shards left alone
+    capsys.readouterr()
+    assert main(["data", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out",
+                 str(out), "--json-field", "content", "--seed", "1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "holds the shards of another prepare run" in error and len(error.splitlines()) == 1
     assert json.loads((out / "manifest.json").read_text()) == manifest
 
 
@@ -50,8 +60,16 @@ def test_tokenizer_then_prepare(corpus, tmp_path, capsys):
     (["prepare", "{corpus}", "--tokenizer", "{tmp}/none", "--out", "{tmp}/o"], "--tokenizer"),
     (["prepare", "{tmp}/missing/*.jsonl", "--tokenizer", "{tmp}", "--out", "{tmp}/o"],
      "matches no files"),
-    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o",
-      "--minhash-threshold", "2"], "--minhash-threshold"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--tasks", "0"],
+     "--tasks"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--decontaminate",
+      "{tmp}/no-such-eval.jsonl"], "--decontaminate"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--executor",
+      "slurm"], "--partition"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--dry-run"],
+     "--dry-run"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--executor",
+      "ray", "--ray-address", "127.0.0.1:1"], "no Ray cluster answers there"),
     (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o",
       "--languages", "en,xx"], "--languages"),
     (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{corpus}"],

@@ -1,0 +1,197 @@
+"""Figures of docs/pending/dedupq.md: MinHash parameter scan, dedup quality, per-stage scale.
+
+  python3 tools/dedup_figures.py scan
+      the Jaccard of a copy with a fraction p of its words edited, per n-gram size, and for
+      each hash budget the bucket x row split with the best recall at <= 0.5% mean false
+      positives over Jaccard 0.3-0.7 (P(s) = 1 - (1 - s**r)**b)
+  python3 tools/dedup_figures.py quality --documents 20000 [--params fineweb]
+      a generated corpus through datatrove's four MinHash stages (LocalPipelineExecutor):
+      recall per true-Jaccard bin, false positives among hard negatives
+  python3 tools/dedup_figures.py scale --sizes 10000 30000 100000
+      CPU seconds of each stage (one worker, so one core) -> documents per second per core, and
+      the peak RSS of the clustering stage, run alone in a fresh process, at each size
+
+Run with `nice`: the figures are CPU time, so a shared machine slows them less than wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from maxmoe.data import synthetic_dups as sd
+from maxmoe.data.minhash import MinhashParams, minhash_config, word_tokenizer
+
+FINEWEB = MinhashParams(ngram=5, num_buckets=14, hashes_per_bucket=8, precision=64)
+
+
+def scan(_args) -> None:
+    edits = (0.01, 0.03, 0.05)
+    print("| n-gram | " + " | ".join(f"Jaccard at {p:.0%} edits" for p in edits) + " |")
+    print("|---|" + "---|" * len(edits))
+    for n in (1, 2, 3, 5):
+        q = [(1 - p) ** n for p in edits]
+        print(f"| {n} | " + " | ".join(f"{x / (2 - x):.3f}" for x in q) + " |")
+    negatives = np.linspace(0.3, 0.7, 2001)
+    print("\n| hashes <= | b x r | mean FP over J 0.3-0.7 | P(0.7) | P(0.82) | P(0.90) | P(0.95) |")
+    print("|---|---|---|---|---|---|---|")
+    for budget in (112, 256, 384, 512):
+        best = None
+        for r in range(2, 40):
+            for b in range(1, budget // r + 1):
+                p = MinhashParams(num_buckets=b, hashes_per_bucket=r).detection_probability
+                fp = float(np.mean(p(negatives)))
+                if fp <= 0.005 and (best is None or p(0.9) > best[1](0.9)):
+                    best = (f"{b} x {r}", p, fp)
+        name, p, fp = best
+        print(f"| {budget} | {name} | {fp:.2%} | {p(0.7):.3f} | {p(0.82):.3f} | {p(0.9):.3f} "
+              f"| {p(0.95):.4f} |")
+    p = FINEWEB.detection_probability
+    print(f"| FineWeb | 14 x 8 | {float(np.mean(p(negatives))):.2%} | {p(0.7):.3f} | "
+          f"{p(0.82):.3f} | {p(0.9):.3f} | {p(0.95):.4f} |")
+
+
+def quality(args) -> None:
+    params = FINEWEB if args.params == "fineweb" else MinhashParams()
+    spec = sd.CorpusSpec(documents=args.documents, files=args.tasks, seed=args.seed)
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        truth = sd.generate(spec, os.path.join(tmp, "in"), params)
+        clusters, kept = sd.run_local(os.path.join(tmp, "in"), os.path.join(tmp, "work"), params,
+                                      tasks=args.tasks)
+        result = sd.score(truth, clusters, kept)
+    print(f"params {params}: threshold (1/b)^(1/r) = {params.threshold:.3f}")
+    print("\n| true Jaccard | near-dup pairs | recalled | recall | P(s) at bin middle |")
+    print("|---|---|---|---|---|")
+    for name, (hit, total) in result["recall_by_bin"].items():
+        lo, hi = (float(x) for x in name.strip("[)]").split(","))
+        print(f"| {name} | {total} | {hit} | {hit / total:.3f} | "
+              f"{params.detection_probability((lo + hi) / 2):.3f} |")
+    print("\n| kind of copy | pairs | recall | lowest true Jaccard |")
+    print("|---|---|---|---|")
+    for kind, (hit, total) in result["recall_by_kind"].items():
+        low = min(j for _, _, j, k in truth.near_dups if k == kind)
+        print(f"| {kind} | {total} | {hit / total:.4f} | {low:.3f} |")
+    print("\n| true Jaccard | hard-negative pairs | merged | FP rate |")
+    print("|---|---|---|---|")
+    for name, (hit, total) in result["hard_negative_fp_by_bin"].items():
+        print(f"| {name} | {total} | {hit} | {hit / total:.3%} |")
+    print(f"\nrecall {result['recall']:.4f} over {result['near_dup_pairs']} pairs; "
+          f"hard-negative FP {result['hard_negative_fp']:.4%} over "
+          f"{result['hard_negative_pairs']} pairs; unrelated removed "
+          f"{result['unrelated_removed']} of {len(truth.unrelated)}")
+
+
+_CLUSTER = """
+import json, sys, time
+from datatrove.pipeline.dedup import MinhashDedupCluster
+from maxmoe.data.minhash import minhash_config
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak (VmHWM) to now: importing peaks above the steady state
+base = status("VmRSS:")
+step = MinhashDedupCluster(sys.argv[1], sys.argv[2], config=minhash_config())
+cpu = time.process_time()
+step.run()
+print(json.dumps({"cpu_s": time.process_time() - cpu, "base_kb": base,
+                  "peak_kb": status("VmHWM:")}))
+"""
+
+
+def _stage_cpu(pipeline, tasks: int, logs: str) -> float:
+    """CPU seconds of one stage run in this process (workers=1 runs tasks in-process)."""
+    from datatrove.executor import LocalPipelineExecutor
+
+    cpu = time.process_time()
+    LocalPipelineExecutor(pipeline, tasks=tasks, workers=1, logging_dir=logs).run()
+    return time.process_time() - cpu
+
+
+def _scale_one(size: int, tmp: str, tasks: int) -> dict:
+    """CPU seconds of each MinHash stage, dup-pair lines and the cluster stage's peak RSS."""
+    from datatrove.pipeline.dedup import (
+        MinhashDedupBuckets,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
+    from datatrove.pipeline.readers import JsonlReader
+
+    config, path = minhash_config(), lambda *p: os.path.join(tmp, *p)
+    spec = sd.CorpusSpec(documents=size, hard_negative_fraction=0.02, files=tasks, seed=size)
+    gen = time.process_time()
+    sd.generate(spec, path("in"))
+    row = {"documents": size, "generate_cpu_s": time.process_time() - gen,
+           "bytes": sum(os.path.getsize(path("in", f)) for f in os.listdir(path("in")))}
+    row["read_cpu_s"] = _stage_cpu([JsonlReader(path("in"))], tasks, path("logs", "read"))
+    row["signature_cpu_s"] = _stage_cpu(
+        [JsonlReader(path("in")),
+         MinhashDedupSignature(path("sigs"), config=config, language=word_tokenizer())],
+        tasks, path("logs", "sig"))
+    row["buckets_cpu_s"] = _stage_cpu([MinhashDedupBuckets(path("sigs"), path("buckets"),
+                                                           config=config)],
+                                      config.num_buckets, path("logs", "buckets"))
+    pairs = np.concatenate([np.fromfile(path("buckets", f), np.uint32).reshape(-1, 4)
+                            for f in sorted(os.listdir(path("buckets")))])
+    # lines the cluster stage reads, and the documents its union-find holds (any in a pair)
+    row["dup_lines"] = len(pairs)
+    row["cluster_nodes"] = len(np.unique(np.concatenate([pairs[:, :2], pairs[:, 2:]]), axis=0))
+    out = subprocess.run([sys.executable, "-c", _CLUSTER, path("buckets"), path("remove")],
+                         check=True, capture_output=True, text=True).stdout
+    cluster = json.loads(out.strip().splitlines()[-1])
+    row.update(cluster_cpu_s=cluster["cpu_s"], cluster_peak_mb=cluster["peak_kb"] / 1024,
+               cluster_base_mb=cluster["base_kb"] / 1024)
+    row["filter_cpu_s"] = _stage_cpu([JsonlReader(path("in")), MinhashDedupFilter(path("remove"))],
+                                     tasks, path("logs", "filter"))
+    return row
+
+
+def scale(args) -> None:
+    rows = []
+    for size in args.sizes:
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            rows.append(_scale_one(size, tmp, args.tasks))
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n| documents | MB | read | signature | buckets | cluster | filter | dup lines "
+          "| cluster nodes | cluster peak RSS (MB) | over import (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        rate = {k: r["documents"] / max(r[f"{k}_cpu_s"], 1e-9)
+                for k in ("read", "signature", "buckets", "cluster", "filter")}
+        print(f"| {r['documents']} | {r['bytes'] / 1e6:.0f} | {rate['read']:.0f} | "
+              f"{rate['signature']:.0f} | {rate['buckets']:.0f} | {rate['cluster']:.0f} | "
+              f"{rate['filter']:.0f} | {r['dup_lines']} | {r['cluster_nodes']} | {r['cluster_peak_mb']:.0f} | "
+              f"{r['cluster_peak_mb'] - r['cluster_base_mb']:.1f} |")
+    print("(rates: documents per CPU second of the stage, i.e. per core)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("scan").set_defaults(run=scan)
+    q = sub.add_parser("quality")
+    q.add_argument("--documents", type=int, default=20000)
+    q.add_argument("--tasks", type=int, default=4)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--params", choices=("maxmoe", "fineweb"), default="maxmoe")
+    q.set_defaults(run=quality)
+    s = sub.add_parser("scale")
+    s.add_argument("--sizes", type=int, nargs="+", default=[10000, 30000, 100000])
+    s.add_argument("--tasks", type=int, default=4)
+    s.set_defaults(run=scale)
+    for p in (q, s):
+        p.add_argument("--tmp", default=None, help="folder for the corpus and stage outputs")
+    args = parser.parse_args()
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
