@@ -187,7 +187,7 @@ def test_bench_configs_are_the_issue_8_shapes_and_validate():
 # maxmoe's dependencies that the lent H200's image lacks (/work/.library/device/KINDS.md):
 # nothing is fetched there (a missing package must be carried as a wheel), so `maxmoe bench`,
 # the GPU check's main figures (tools/gpu_check.sh), must not need them
-NOT_ON_THE_GPU_IMAGE = ["grain", "array_record", "zstandard", "datasketch", "py3langid"]
+NOT_ON_THE_GPU_IMAGE = ["grain", "array_record", "zstandard", "datatrove", "ray", "py3langid"]
 
 
 def test_bench_runs_without_the_data_pipeline_packages():

@@ -35,6 +35,7 @@ def mid_train_tokens_per_second_per_host() -> float:
 def _prepare_figures(workdir: str, megabytes: float, workers: int) -> tuple[str, dict]:
     from maxmoe.config import DataConfig
     from maxmoe.data.corpus import list_documents
+    from maxmoe.data.executors import LaunchOptions
     from maxmoe.data.prepare import PrepareOptions, prepare
     from maxmoe.data.tokenizer import load_tokenizer
 
@@ -46,7 +47,8 @@ def _prepare_figures(workdir: str, megabytes: float, workers: int) -> tuple[str,
         if size >= megabytes * 1e6:
             break
     out = os.path.join(workdir, f"stdlib-{workers}")
-    options = PrepareOptions(workers=workers, progress=False, shard_megabytes=8.0)
+    # datatrove's local executor: `workers` tasks at once, four tasks a worker
+    options = PrepareOptions(tasks=4 * workers, launch=LaunchOptions(workers=workers))
     start = time.perf_counter()
     manifest = prepare(files, os.path.dirname(tokenizer.path), out, options)
     seconds = time.perf_counter() - start

@@ -1,6 +1,6 @@
 """`maxmoe data tokenizer|prepare`: the command line of the data preparation tools.
 
-The tools themselves are maxmoe/data/ (tokenizer.py, prepare.py). User mistakes raise
+The tools themselves are maxmoe/data/ (tokenizer.py, prepare.py on datatrove). User mistakes raise
 ConfigError, which maxmoe/cli.py prints as one line with exit code 2.
 """
 
@@ -31,9 +31,10 @@ gzip or zstd compressed."""
 USAGE_PREPARE = """\
 Clean, deduplicate and tokenize INPUTS into ArrayRecord shards under --out, with a held-out
 validation split and a manifest.json of counts. Steps, in order: Unicode normalisation,
-character-length filter, language filter, tokenize, token-length filter, exact dedup, MinHash
-LSH near-dup removal. Bad files and lines are counted and skipped. Re-running an interrupted
-run with the same arguments skips the shards it finished."""
+character-length filter, language filter, decontamination, exact dedup and MinHash near-dup
+removal (both resolved across all tasks), then tokenize and token-length filter. Runs on datatrove's executors: --executor local (processes here), ray
+(a Ray cluster) or slurm (job arrays). Bad files and lines are counted and skipped.
+Re-running an interrupted run with the same arguments reruns only the unfinished tasks."""
 
 
 def add_parser(subparsers) -> None:
@@ -73,22 +74,32 @@ def add_parser(subparsers) -> None:
                        help="comma-separated ISO 639-1 codes to keep, e.g. en,de (default: all)")
     group.add_argument("--min-language-confidence", type=float, default=0.0,
                        help="also drop documents detected with a lower probability (0-1)")
-    group = prepare.add_argument_group("deduplication")
+    group = prepare.add_argument_group("deduplication and decontamination")
     group.add_argument("--no-exact-dedup", action="store_true", help="keep exact duplicates")
     group.add_argument("--no-near-dedup", action="store_true", help="keep near-duplicates")
-    group.add_argument("--minhash-permutations", type=int, default=128)
-    group.add_argument("--minhash-threshold", type=float, default=0.8,
-                       help="Jaccard similarity of word n-gram sets that counts as duplicate")
-    group.add_argument("--minhash-ngram", type=int, default=5, help="words per shingle")
+    group.add_argument("--decontaminate", nargs="+", default=[], metavar="PATH",
+                       help="evaluation files: drop documents sharing a 13-word n-gram with them")
     group = prepare.add_argument_group("output")
     group.add_argument("--validation-fraction", type=float, default=0.01)
     group.add_argument("--seed", type=int, default=0, help="seeds the validation choice")
-    group.add_argument("--shard-megabytes", type=float, default=64.0,
-                       help="raw text (millions of characters) per shard")
-    group.add_argument("--workers", type=int, default=0, help="processes; 0 = all cores")
     group.add_argument("--overwrite", action="store_true",
                        help="delete an earlier run in --out instead of resuming it")
-    group.add_argument("--no-progress", action="store_true", help="no progress bars")
+    group = prepare.add_argument_group("execution (datatrove executors)")
+    group.add_argument("--executor", default="local", choices=("local", "ray", "slurm"),
+                       help="local processes (default), a Ray cluster, or Slurm job arrays")
+    group.add_argument("--tasks", type=int, default=1,
+                       help="tasks per stage = output shards; task k reads files k, k+N, ... "
+                       "(the output depends on it, so a resumed run keeps it)")
+    group.add_argument("--workers", type=int, default=0,
+                       help="tasks run at once (local: 0 = one per core; ray: 0 = all)")
+    group.add_argument("--ray-address", default="",
+                       help="ray: a running cluster (HOST:PORT or auto); default: start one here")
+    group.add_argument("--memory-gb-per-task", type=float, default=2.0,
+                       help="ray and slurm: memory reserved for each task (default 2)")
+    group.add_argument("--partition", default="", help="slurm: partition to submit to")
+    group.add_argument("--time", default="24:00:00", help="slurm: time limit of each task")
+    group.add_argument("--dry-run", action="store_true",
+                       help="slurm: write the sbatch scripts and OUT/slurm/submit.sh, submit nothing")
     prepare.set_defaults(run=run_prepare)
 
 
@@ -156,8 +167,8 @@ def run_tokenizer(args) -> int:
 
 def run_prepare(args) -> int:
     """Writes the shards and manifest of INPUTS under --out; exit 0, or ConfigError."""
-    # late: NumPy, SentencePiece and tqdm, needed by this command only; keeps `maxmoe --help` fast
-    from maxmoe.data.dedup import DedupOptions
+    # late: datatrove, NumPy, SentencePiece, needed by this command only; keeps `--help` fast
+    from maxmoe.data.executors import LaunchOptions
     from maxmoe.data.prepare import PrepareOptions, prepare
 
     languages = tuple(code.strip() for code in args.languages.split(",") if code.strip())
@@ -168,14 +179,22 @@ def run_prepare(args) -> int:
             max_characters=args.max_characters, min_tokens=args.min_tokens,
             max_tokens=args.max_tokens, languages=languages,
             min_language_confidence=args.min_language_confidence),
-        dedup=DedupOptions(exact=not args.no_exact_dedup, near=not args.no_near_dedup,
-                           permutations=args.minhash_permutations,
-                           threshold=args.minhash_threshold, ngram=args.minhash_ngram),
-        validation_fraction=args.validation_fraction, seed=args.seed,
-        shard_megabytes=args.shard_megabytes, workers=args.workers,
-        progress=not args.no_progress)
+        exact_dedup=not args.no_exact_dedup, near_dedup=not args.no_near_dedup,
+        decontaminate=tuple(args.decontaminate),
+        validation_fraction=args.validation_fraction, seed=args.seed, tasks=args.tasks,
+        launch=LaunchOptions(executor=args.executor, workers=args.workers,
+                             ray_address=args.ray_address,
+                             memory_gb_per_task=args.memory_gb_per_task,
+                             partition=args.partition, time=args.time, dry_run=args.dry_run))
     start = time.perf_counter()
     manifest = prepare(args.inputs, args.tokenizer, args.out, options, overwrite=args.overwrite)
+    if manifest is None:
+        done = ("wrote the sbatch scripts of every stage and their submission script "
+                f"{Path(args.out) / 'slurm' / 'submit.sh'}" if args.dry_run else
+                f"submitted every stage to Slurm; {Path(args.out) / 'manifest.json'} appears "
+                "when the last job ends")
+        print(f"maxmoe: {done}")
+        return 0
     seconds = time.perf_counter() - start
     written, tokens = manifest["documents_written"], manifest["tokens_written"]
     print(f"maxmoe: {manifest['documents_read']} documents read from "

@@ -4,12 +4,11 @@
     OUT/tokenizer/tokenizer.model   the tokenizer the ids belong to (hash in the manifest)
     OUT/train-00007.array_record    one record per document: its token ids, no eos
     OUT/validation-00007.array_record
-    OUT/dedup-00007.npz             what shard 7 adds to the dedup state (for resumption)
-    OUT/shard-00007.done.json       shard 7's counts; its presence marks the shard finished
+    OUT/shard-00007.done.json       shard 7's counts (task 7 of the write stage)
+    OUT/settings.json, OUT/logs/    the run's settings; datatrove's completions, stats, logs
 
-Every file is written under a temporary name and renamed into place, and the done marker is
-renamed last, so an interrupted run leaves either a finished shard or debris that the next
-run overwrites -- never a shard that looks finished but is not.
+Every file is written under a temporary name and renamed into place, so an interrupted task
+leaves whole files or debris that its rerun overwrites.
 """
 
 from __future__ import annotations
@@ -40,10 +39,6 @@ def marker_path(directory: Path, index: int) -> Path:
     return directory / f"shard-{index:05d}.done.json"
 
 
-def dedup_path(directory: Path, index: int) -> Path:
-    return directory / f"dedup-{index:05d}.npz"
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     # uint16 halves the disk and read bandwidth of every vocabulary below 65536 pieces.
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
@@ -71,34 +66,6 @@ def write_json(path: Path, value: dict) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(value, indent=1, sort_keys=False))
     os.replace(temporary, path)
-
-
-def write_dedup_state(path: Path, hashes: list[bytes], signatures: list[np.ndarray],
-                      permutations: int) -> None:
-    temporary = path.with_name(path.name + ".tmp.npz")
-    np.savez(temporary,
-             hashes=np.frombuffer(b"".join(hashes), np.uint8).reshape(len(hashes), 16),
-             signatures=(np.stack(signatures) if signatures
-                         else np.zeros((0, permutations), np.uint32)))
-    os.replace(temporary, path)
-
-
-def read_dedup_state(path: Path) -> tuple[list[bytes], np.ndarray]:
-    with np.load(path) as state:
-        return [row.tobytes() for row in state["hashes"]], state["signatures"]
-
-
-def finished_marker(directory: Path, index: int) -> dict | None:
-    """Shard `index`'s marker when the shard is finished and its files exist, else None."""
-    path = marker_path(directory, index)
-    try:
-        marker = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    files = [directory / f for f in marker.get("files", {}).values()]
-    if not all(f.is_file() for f in files) or not dedup_path(directory, index).is_file():
-        return None
-    return marker
 
 
 def is_prepared(path: str) -> bool:

@@ -36,9 +36,13 @@ def german(rng: random.Random, words: int) -> str:
 
 
 def distinct_document(rng: random.Random, words: int) -> str:
-    """English-looking text over a large vocabulary: two such documents share few 5-grams."""
-    vocabulary = ENGLISH + [f"{w}{i}" for w in ENGLISH[:40] for i in range(50)]
-    return " ".join(rng.choice(vocabulary) for _ in range(words))
+    """English-looking text over a large vocabulary: two such documents share few words.
+    The variants are letters, not digits: MinHash's text normalisation maps digits to 0."""
+    return " ".join(rng.choice(_DISTINCT_WORDS) for _ in range(words))
+
+
+_DISTINCT_WORDS = ENGLISH + [f"{w}{a}{b}" for w in ENGLISH[:40] for a in "bdfgkmpstvz"
+                             for b in "aeiou"]
 
 
 @pytest.fixture(scope="session")

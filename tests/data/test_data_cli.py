@@ -32,7 +32,7 @@ def test_tokenizer_then_prepare(corpus, tmp_path, capsys):
     out = tmp_path / "prepared"
     assert main(["data", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out",
                  str(out), "--json-field", "content", "--min-characters", "20",
-                 "--no-progress", "--workers", "1"]) == 0
+                 "--workers", "1"]) == 0
     captured = capsys.readouterr()
     assert "151 documents read from 2 files" in captured.out
     assert "dropped 1 too few characters" in captured.out
@@ -42,7 +42,14 @@ def test_tokenizer_then_prepare(corpus, tmp_path, capsys):
     # the same command again finds every shard finished
     assert main(["data", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out",
                  str(out), "--json-field", "content", "--min-characters", "20",
-                 "--no-progress", "--workers", "1"]) == 0
+                 "--workers", "1"]) == 0
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    # another run's settings into the same folder: one line, exit 2, the shards left alone
+    capsys.readouterr()
+    assert main(["data", "prepare", str(corpus), "--tokenizer", str(tokenizer), "--out",
+                 str(out), "--json-field", "content", "--seed", "1"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "holds the shards of another prepare run" in error and len(error.splitlines()) == 1
     assert json.loads((out / "manifest.json").read_text()) == manifest
 
 
@@ -50,8 +57,16 @@ def test_tokenizer_then_prepare(corpus, tmp_path, capsys):
     (["prepare", "{corpus}", "--tokenizer", "{tmp}/none", "--out", "{tmp}/o"], "--tokenizer"),
     (["prepare", "{tmp}/missing/*.jsonl", "--tokenizer", "{tmp}", "--out", "{tmp}/o"],
      "matches no files"),
-    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o",
-      "--minhash-threshold", "2"], "--minhash-threshold"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--tasks", "0"],
+     "--tasks"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--decontaminate",
+      "{tmp}/no-such-eval.jsonl"], "--decontaminate"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--executor",
+      "slurm"], "--partition"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--dry-run"],
+     "--dry-run"),
+    (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o", "--executor",
+      "ray", "--ray-address", "127.0.0.1:1"], "no Ray cluster answers there"),
     (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{tmp}/o",
       "--languages", "en,xx"], "--languages"),
     (["prepare", "{corpus}", "--tokenizer", "{tokenizer}", "--out", "{corpus}"],

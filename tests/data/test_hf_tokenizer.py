@@ -108,7 +108,7 @@ def test_prepare_with_hf_tokenizer_then_train_batches(hf_tokenizer_dir, tmp_path
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = tmp_path / "prepared"
     assert main(["data", "prepare", str(tmp_path / "docs.jsonl"), "--tokenizer",
-                 str(hf_tokenizer_dir), "--out", str(out), "--no-progress", "--workers", "1",
+                 str(hf_tokenizer_dir), "--out", str(out), "--workers", "1",
                  "--no-near-dedup"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     tokenizer = open_tokenizer(hf_tokenizer_dir)

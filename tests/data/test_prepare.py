@@ -1,26 +1,28 @@
-"""`maxmoe data prepare`: dedup recall, filter counts, corrupt inputs, resumption."""
+"""`maxmoe data prepare` on datatrove's local executor: dedup across tasks, filter counts,
+decontamination, corrupt inputs, resumption of a failed task, Slurm scripts."""
 
 import gzip
 import json
 import os
 import random
+import sys
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
 
 from maxmoe.config import ConfigError
-from maxmoe.data import prepare as prepare_module, shards
-from maxmoe.data.dedup import DedupOptions, shingle_hashes
+from maxmoe.data import minhash, shards, stages as stages_module
+from maxmoe.data.executors import LaunchOptions
 from maxmoe.data.filters import FilterOptions
 from maxmoe.data.prepare import PrepareOptions, prepare
 from maxmoe.data.sources import InputOptions
 
 from .conftest import distinct_document, english, german, read_split
 
-QUIET = dict(progress=False, workers=1)
+# in this process (datatrove's local executor with one worker), two tasks per stage
+QUIET = dict(tasks=2, launch=LaunchOptions(workers=1))
 
 
 def _jsonl(path, texts, field="text"):
@@ -51,54 +53,43 @@ def _edit(rng, text, edits):
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
-    """200 distinct documents, then 60 edited copies (3 edits each) and 10 exact copies.
-
-    40 of the distinct documents share their first 75% with another one (Jaccard about 0.6,
-    below the 0.8 threshold): related, but not duplicates, so they must be kept.
-    """
+    """200 distinct documents, 60 edited copies (3 edits each) and 10 exact copies, in four
+    files. With two tasks, task 0 reads a_0 and b_copies, task 1 a_1 and c_exact: half of
+    the copies are in another task than their original, so dedup must work across tasks."""
     rng = random.Random(1)
-    originals = [distinct_document(rng, rng.randint(300, 400)) for _ in range(160)]
-    for i in range(40):
-        words = originals[100 + i].split()
-        cut = 3 * len(words) // 4
-        originals.append(" ".join(words[:cut] + distinct_document(rng, len(words) - cut).split()))
+    originals = [distinct_document(rng, rng.randint(300, 400)) for _ in range(200)]
     edited = [_edit(rng, originals[i], 3) for i in range(60)]
     exact = originals[100:110]
     root = tmp_path_factory.mktemp("planted")
-    _jsonl(root / "a_originals.jsonl", originals)  # read first: the originals are kept
-    _jsonl(root / "b_copies.jsonl", edited + exact)
+    _jsonl(root / "a_0.jsonl", originals[0::2])
+    _jsonl(root / "a_1.jsonl", originals[1::2])
+    _jsonl(root / "b_copies.jsonl", edited)
+    _jsonl(root / "c_exact.jsonl", exact)
     return root, originals, edited
 
 
-def test_near_duplicates_removed_distinct_kept(planted, tokenizer_dir, tokenizer, tmp_path):
+def test_duplicates_removed_across_tasks(planted, tokenizer_dir, tokenizer, tmp_path):
     root, originals, edited = planted
     manifest = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "out"),
                        PrepareOptions(**QUIET))
     written = _written(tmp_path / "out", tokenizer)
-    assert set(originals) <= set(written)  # every distinct document kept
-    surviving = [t for t in edited if t in written]
-    recall = 1 - len(surviving) / len(edited)
-    print(f"near-duplicate recall {recall:.3f}")
-    assert recall >= 0.95
-    assert len(written) == len(set(written)) == 200 + len(surviving)
-    assert manifest["dropped"] == {"exact_duplicate": 10, "near_duplicate": 60 - len(surviving)}
+    assert len(written) == len(set(written))  # no two copies survive
+    # every distinct document survives, as itself or as its edited copy (one per cluster)
+    assert all(originals[i] in written or (i < 60 and edited[i] in written)
+               for i in range(200))
+    caught = sum(not (originals[i] in written and edited[i] in written) for i in range(60))
+    print(f"near-duplicate recall {caught / 60:.3f}")
+    assert caught / 60 >= 0.95
+    assert manifest["dropped"] == {"exact_duplicate": 10, "near_duplicate": caught}
     assert manifest["documents_read"] == 270
+    assert len(manifest["shards"]) == 2 and all(s["documents"]["train"] for s in
+                                                 manifest["shards"])
 
-    # the control: without near dedup every edited copy survives (so recall measures LSH)
+    # the control: without near dedup every edited copy survives (so recall measures MinHash)
     control = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "control"),
-                      PrepareOptions(dedup=DedupOptions(near=False), **QUIET))
+                      PrepareOptions(**{**QUIET, "near_dedup": False}))
     assert control["dropped"] == {"exact_duplicate": 10}
     assert set(edited) <= set(_written(tmp_path / "control", tokenizer))
-
-
-def test_shingles_ignore_case_and_punctuation_but_not_order():
-    text = "the cat sat on the mat and looked at the dog"
-    np.testing.assert_array_equal(shingle_hashes("The cat, sat on the MAT! and looked at "
-                                                 "the dog", 5), shingle_hashes(text, 5))
-    assert len(shingle_hashes(text, 5)) == 7
-    assert len(shingle_hashes("two words", 5)) == 1
-    swapped = shingle_hashes("cat the sat on the mat and looked at the dog", 5)
-    assert len(np.intersect1d(swapped, shingle_hashes(text, 5))) == 5
 
 
 def test_filters_count_what_they_drop(tokenizer_dir, tokenizer, tmp_path):
@@ -120,8 +111,11 @@ def test_filters_count_what_they_drop(tokenizer_dir, tokenizer, tmp_path):
     # exact duplicates only count once their original has been seen: put originals first
     documents.sort(key=lambda t: t not in keep_set)
     _jsonl(tmp_path / "docs.jsonl", documents)
+    # near dedup off: word salad over 100 words is near-duplicate word sets (MinHash drops
+    # them before the token filter, which runs on the survivors)
     options = PrepareOptions(filters=FilterOptions(
-        min_characters=50, max_characters=5000, max_tokens=600, languages=("en",)), **QUIET)
+        min_characters=50, max_characters=5000, max_tokens=600, languages=("en",)),
+        **{**QUIET, "near_dedup": False})
     manifest = prepare([str(tmp_path / "docs.jsonl")], str(tokenizer_dir), str(tmp_path / "out"),
                        options)
     assert manifest["dropped"] == {reason: len(texts) for reason, texts in planted.items()}
@@ -155,7 +149,7 @@ def test_corrupt_inputs_reported_and_skipped(tokenizer_dir, tokenizer, tmp_path)
     (root / "truncated.jsonl.gz").write_bytes(stream[:len(stream) // 2])
 
     manifest = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "out"),
-                       PrepareOptions(dedup=DedupOptions(near=False), **QUIET))
+                       PrepareOptions(**{**QUIET, "near_dedup": False}))
     assert manifest["read_errors"] == {"bad_encoding": 2, "malformed_json": 1,
                                        "missing_field": 1, "unreadable_file": 2}
     examples = " ".join(manifest["read_error_examples"])
@@ -164,68 +158,112 @@ def test_corrupt_inputs_reported_and_skipped(tokenizer_dir, tokenizer, tmp_path)
     assert set(good) <= set(_written(tmp_path / "out", tokenizer))
 
 
-def _shard_files(directory):
-    return {p.name: p.stat().st_mtime_ns for p in directory.iterdir()
-            if p.name.startswith(("train-", "validation-", "dedup-", "shard-"))}
+def _outputs(directory):
+    """{name: bytes} of the shard files and markers of a prepared folder."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())
+            if p.name.startswith(("train-", "validation-", "shard-"))}
 
 
-def test_rerun_skips_finished_shards_and_matches_one_run(planted, tokenizer_dir, tokenizer,
-                                                         tmp_path, monkeypatch):
+def test_failed_task_reruns_alone_to_the_same_output(planted, tokenizer_dir, tmp_path,
+                                                      monkeypatch):
     root, _, _ = planted
-    options = PrepareOptions(shard_megabytes=0.02, validation_fraction=0.1, progress=False)
-    # reference: one uninterrupted run, in two worker processes
-    reference = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "reference"),
-                        PrepareOptions(**{**options.__dict__, "workers": 2}))
-    assert len(reference["shards"]) >= 5
+    options = PrepareOptions(**{**QUIET, "validation_fraction": 0.1})
+    reference = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "reference"), options)
 
     out = tmp_path / "out"
-    real_write = prepare_module._write_shard
+    real_run = stages_module.ShardWriter.run
+    ranks = []
 
-    def crash_at_shard_3(directory, index, *args):
-        if index == 3:
-            raise KeyboardInterrupt  # the process is killed while shard 3 is written
-        return real_write(directory, index, *args)
+    def fail_task_1_once(self, data, rank=0, world_size=1):
+        ranks.append(rank)
+        if rank == 1 and ranks.count(1) == 1:
+            next(iter(data))  # mid-task: the task has read, deduplicated, then dies
+            raise KeyboardInterrupt
+        return real_run(self, data, rank, world_size)
 
-    monkeypatch.setattr(prepare_module, "_write_shard", crash_at_shard_3)
-    single = PrepareOptions(**{**options.__dict__, "workers": 1})
+    monkeypatch.setattr(stages_module.ShardWriter, "run", fail_task_1_once)
     with pytest.raises(KeyboardInterrupt):
-        prepare([str(root)], str(tokenizer_dir), str(out), single)
-    assert not (out / shards.MANIFEST).exists()
-    (out / "train-00003.array_record").write_bytes(b"half-written debris")
-    before = _shard_files(out)
-    assert {f"shard-{i:05d}.done.json" for i in range(3)} <= set(before)
+        prepare([str(root)], str(tokenizer_dir), str(out), options)
+    assert not (out / shards.MANIFEST).exists() and (out / "train-00000.array_record").exists()
+    (out / "train-00001.array_record").write_bytes(b"half-written debris")
+    finished = {p: p.stat().st_mtime_ns for p in (out / "logs").glob("*/completions/*")}
+    buckets = minhash.MinhashParams().num_buckets
+    assert len(finished) == 2 + 1 + 2 + buckets + 1 + 1  # clean exact signatures buckets ...
 
-    monkeypatch.setattr(prepare_module, "_write_shard", real_write)
-    written_again = []
-    monkeypatch.setattr(prepare_module, "_write_shard", lambda directory, index, *args: (
-        written_again.append(index), real_write(directory, index, *args))[1])
-    resumed = prepare([str(root)], str(tokenizer_dir), str(out), single)
-    assert written_again == list(range(3, len(reference["shards"])))
-    after = _shard_files(out)
-    assert all(after[name] == before[name] for name in before
-               if name.endswith(("-00000.array_record", "-00001.array_record",
-                                 "-00002.array_record", ".done.json", ".npz"))
-               and not name.startswith(("train-00003", "shard-00003", "dedup-00003")))
+    resumed = prepare([str(root)], str(tokenizer_dir), str(out), options)
+    assert ranks == [0, 1, 1]  # the rerun ran write task 1 alone; nothing before it
+    assert all(p.stat().st_mtime_ns == t for p, t in finished.items())
     assert {k: v for k, v in resumed.items() if k != "inputs"} == \
         {k: v for k, v in reference.items() if k != "inputs"}
-    for split in shards.SPLITS:
-        assert read_split(out, split, tokenizer) == read_split(tmp_path / "reference", split,
-                                                               tokenizer)
+    assert _outputs(out) == _outputs(tmp_path / "reference")
 
-    # other settings into the same folder: refused with the option to change named
-    with pytest.raises(ConfigError, match="--out.*options"):
+    # other settings into the same folder: refused, naming what changed
+    with pytest.raises(ConfigError, match="--out.*another prepare run.*options"):
         prepare([str(root)], str(tokenizer_dir), str(out),
-                PrepareOptions(**{**single.__dict__, "seed": 1}))
+                PrepareOptions(**{**options.__dict__, "tasks": 3}))
     assert os.path.isfile(out / shards.MANIFEST)
 
 
-def test_input_listing_errors(tmp_path, tokenizer_dir):
+def test_decontamination_drops_documents_sharing_a_13_gram(tokenizer_dir, tokenizer, tmp_path):
+    rng = random.Random(6)
+    evaluation = [distinct_document(rng, 60) for _ in range(3)]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"text": t}) + "\n"
+                                                 for t in evaluation))
+    words = evaluation[1].split()
+    train = [distinct_document(rng, 80) for _ in range(20)]
+    leaked = [train[0] + " " + " ".join(words[10:23]),  # 13 evaluation words in a row
+              " ".join(words[30:43]).upper() + ", " + train[1]]  # case and punctuation differ
+    near_miss = [train[2] + " " + " ".join(words[10:22])]  # 12 words only: kept
+    _jsonl(tmp_path / "train.jsonl", train[3:] + leaked + near_miss)
+    manifest = prepare([str(tmp_path / "train.jsonl")], str(tokenizer_dir),
+                       str(tmp_path / "out"),
+                       PrepareOptions(decontaminate=(str(tmp_path / "eval.jsonl"),),
+                                      **{**QUIET, "near_dedup": False}))
+    assert manifest["dropped"] == {"contaminated": 2}
+    assert sorted(_written(tmp_path / "out", tokenizer)) == sorted(train[3:] + near_miss)
+
+
+def test_slurm_dry_run_writes_the_job_arrays(planted, tokenizer_dir, tmp_path):
+    root, _, _ = planted
+    out = tmp_path / "out"
+    launch = LaunchOptions(executor="slurm", partition="cpu", time="2:00:00", dry_run=True)
+    assert prepare([str(root)], str(tokenizer_dir), str(out),
+                   PrepareOptions(tasks=3, launch=launch)) is None
+    scripts = sorted((out / "slurm").glob("*.sbatch"))
+    jobs = [p.name.split("-", 1)[1].removesuffix(".sbatch") for p in scripts]
+    stages = ["clean", "exact", "signatures", "buckets", "cluster", "write", "manifest"]
+    assert jobs == [part for s in stages for part in (f"maxmoe-{s}", f"maxmoe-{s}-stats")]
+    arrays = {"clean": 3, "exact": 1, "signatures": 3, "buckets": minhash.MinhashParams().num_buckets,
+              "cluster": 1, "write": 3, "manifest": 1}
+    for path, job in zip(scripts[::2], stages, strict=True):
+        text = path.read_text()
+        assert f"#SBATCH --array=0-{arrays[job] - 1}" in text
+        assert "#SBATCH --partition=cpu" in text and "#SBATCH --time=2:00:00" in text
+        assert "launch_pickled_pipeline" in text and str(out / "logs" / job) in text
+        assert (out / "logs" / job / "executor.pik").is_file()
+    submit = (out / "slurm" / "submit.sh").read_text().splitlines()[3:]
+    # stage k waits for stage k-1 to succeed, each stats job for its own stage; sbatch reads
+    # the job ids from the shell variables set by the lines before
+    for number, line in enumerate(submit, start=1):
+        assert line.startswith(f"JOB_{number:02d}=$(sbatch --parsable ")
+        waits_for = number - 2 if number % 2 else number - 1
+        assert (f"--dependency=afterok:${{JOB_{waits_for:02d}}} " in line) == (number > 1)
+    assert all("${JOB" not in p.read_text() for p in scripts)
+    assert not (out / shards.MANIFEST).exists()
+
+
+def test_input_listing_errors(tmp_path, tokenizer_dir, monkeypatch):
     with pytest.raises(ConfigError, match="matches no files"):
         prepare([str(tmp_path / "none" / "*.jsonl")], str(tokenizer_dir), str(tmp_path / "o"))
     (tmp_path / "a.txt").write_text("hello")
     with pytest.raises(ConfigError, match="--tokenizer"):
         prepare([str(tmp_path / "a.txt")], str(tmp_path), str(tmp_path / "o"))
-    with pytest.raises(ConfigError, match="--minhash-threshold"):
+    with pytest.raises(ConfigError, match="--tasks"):
         prepare([str(tmp_path / "a.txt")], str(tokenizer_dir), str(tmp_path / "o"),
-                PrepareOptions(dedup=DedupOptions(threshold=1.5)))
+                PrepareOptions(tasks=0))
+    monkeypatch.setitem(sys.modules, "ray", None)  # ray not installed
+    with pytest.raises(ConfigError, match=r"needs the package 'ray'.*maxmoe\[ray\]"):
+        prepare([str(tmp_path / "a.txt")], str(tokenizer_dir), str(tmp_path / "o"),
+                PrepareOptions(launch=LaunchOptions(executor="ray")))
+    assert not (tmp_path / "o").exists()
     assert InputOptions().json_field == "text"

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from maxmoe.config import ConfigError, DataConfig
+from maxmoe.data.executors import LaunchOptions
 from maxmoe.data.pipeline import make_dataset, padding_fraction
 from maxmoe.data.prepare import PrepareOptions, prepare
 from maxmoe.data.tokenizer import load_tokenizer
@@ -23,7 +24,7 @@ def _prepare(directory, texts, tokenizer_dir, **options):
     directory.mkdir(exist_ok=True)
     (directory / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     prepare([str(directory / "docs.jsonl")], str(tokenizer_dir), str(directory / "out"),
-            PrepareOptions(progress=False, workers=1, shard_megabytes=0.01, **options))
+            PrepareOptions(launch=LaunchOptions(workers=1), **options))
     return directory / "out"
 
 
