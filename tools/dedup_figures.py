@@ -15,6 +15,10 @@
       the same corpus through `maxmoe data prepare --executor local` and `--executor ray`, 2
       tasks each: shards compared byte for byte, near-duplicate drops against the direct run
 
+  python3 tools/dedup_figures.py prepare-scale --sizes 10000 30000
+      CPU seconds of each stage of `maxmoe data prepare` (local executor, one worker, 2 tasks)
+      -> documents per second per core, tokenization and filters included
+
 Run with `nice`: the figures are CPU time, so a shared machine slows them less than wall time.
 """
 
@@ -220,6 +224,50 @@ def prepare(args) -> None:
     print(f"local and ray shards byte-identical: {same}")
 
 
+def prepare_scale(args) -> None:
+    import maxmoe.data.prepare as prep
+    from maxmoe.data.executors import LaunchOptions
+
+    cpu: dict[str, float] = {}
+
+    class Timed:  # the stage's executor, with the CPU seconds of its run() recorded
+        def __init__(self, executor, name):
+            self.executor, self.name = executor, name
+
+        def run(self):
+            start = time.process_time()
+            self.executor.run()
+            cpu[self.name] = time.process_time() - start
+
+        def get_incomplete_ranks(self):
+            return self.executor.get_incomplete_ranks()
+
+    real = prep.executor_for
+    prep.executor_for = lambda stage, *a: Timed(real(stage, *a), stage.name)
+    cli = [sys.executable, "-m", "maxmoe.cli", "data"]
+    print("| documents | MB | " + " | ".join(STAGES) + " |")
+    print("|---|---|" + "---|" * len(STAGES))
+    for size in args.sizes:
+        cpu.clear()
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            corpus = os.path.join(tmp, "in")
+            sd.generate(sd.CorpusSpec(documents=size, hard_negative_fraction=0.02, files=2,
+                                      seed=size), corpus)
+            megabytes = sum(os.path.getsize(os.path.join(corpus, f))
+                            for f in os.listdir(corpus)) / 1e6
+            subprocess.run(cli + ["tokenizer", corpus, "--vocab-size", "4000", "--out",
+                                  os.path.join(tmp, "tok")], check=True, capture_output=True)
+            prep.prepare([corpus], os.path.join(tmp, "tok"), os.path.join(tmp, "out"),
+                         prep.PrepareOptions(tasks=2, launch=LaunchOptions(workers=1)))
+        print(f"| {size} | {megabytes:.0f} | "
+              + " | ".join(f"{size / cpu[s]:.0f}" if s in cpu else "-" for s in STAGES) + " |",
+              flush=True)
+    print("(documents per CPU second of each stage of maxmoe data prepare, i.e. per core)")
+
+
+STAGES = ("clean", "exact", "signatures", "buckets", "cluster", "write", "manifest")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,7 +286,10 @@ def main() -> None:
     r.add_argument("--documents", type=int, default=4000)
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(run=prepare)
-    for p in (q, s, r):
+    ps = sub.add_parser("prepare-scale")
+    ps.add_argument("--sizes", type=int, nargs="+", default=[10000, 30000])
+    ps.set_defaults(run=prepare_scale)
+    for p in (q, s, r, ps):
         p.add_argument("--tmp", default=None, help="folder for the corpus and stage outputs")
     args = parser.parse_args()
     args.run(args)
