@@ -11,12 +11,22 @@
       CPU seconds of each stage (one worker, so one core) -> documents per second per core, and
       the peak RSS of the clustering stage, run alone in a fresh process, at each size
 
+  python3 tools/dedup_figures.py prepare --documents 4000
+      the same corpus through `maxmoe data prepare --executor local` and `--executor ray`, 2
+      tasks each: shards compared byte for byte, near-duplicate drops against the direct run
+
+  python3 tools/dedup_figures.py prepare-scale --sizes 10000 30000
+      CPU seconds of each stage of `maxmoe data prepare` (local executor, one worker, 2 tasks)
+      -> documents per second per core, tokenization and filters included
+
 Run with `nice`: the figures are CPU time, so a shared machine slows them less than wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -173,6 +183,91 @@ def scale(args) -> None:
     print("(rates: documents per CPU second of the stage, i.e. per core)")
 
 
+def _prepare_run(cli: list[str], corpus: str, tokenizer: str, out: str, executor: str) -> dict:
+    done = subprocess.run(cli + ["prepare", corpus, "--tokenizer", tokenizer, "--out", out,
+                                 "--executor", executor, "--tasks", "2", "--workers", "2"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"maxmoe data prepare --executor {executor} failed:\n{done.stderr[-3000:]}")
+    shards = {}
+    for root, _, names in os.walk(out):
+        for name in names:
+            if ".array_record" in name:
+                with open(os.path.join(root, name), "rb") as f:
+                    shards[os.path.relpath(os.path.join(root, name), out)] = hashlib.sha256(
+                        f.read()).hexdigest()
+    with open(os.path.join(out, "manifest.json")) as f:
+        manifest = json.load(f)
+    return {"shards": shards, "dropped": manifest["dropped"],
+            "written": manifest["documents_written"]}
+
+
+def prepare(args) -> None:
+    cli = [sys.executable, "-m", "maxmoe.cli", "data"]
+    spec = sd.CorpusSpec(documents=args.documents, files=2, seed=args.seed)
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        corpus, path = os.path.join(tmp, "in"), functools.partial(os.path.join, tmp)
+        truth = sd.generate(spec, corpus)
+        _, kept = sd.run_local(corpus, path("direct"), tasks=2)
+        subprocess.run(cli + ["tokenizer", corpus, "--vocab-size", "1000", "--out", path("tok")],
+                       check=True, capture_output=True, text=True)
+        runs = {ex: _prepare_run(cli, corpus, path("tok"), path(ex), ex) for ex in ("local", "ray")}
+    documents = len(truth.unrelated) + 2 * len(truth.hard_negatives) + len(
+        {c for _, c, *_ in truth.near_dups}) + len({o for o, *_ in truth.near_dups})
+    print(f"corpus: {documents} documents, {len(truth.near_dups)} planted copies")
+    print(f"direct datatrove run (run_local, 2 tasks): {documents - len(kept)} near-duplicates "
+          "removed")
+    for ex, run in runs.items():
+        print(f"maxmoe data prepare --executor {ex} --tasks 2: dropped {run['dropped']}, "
+              f"written {run['written']}, {len(run['shards'])} shard files")
+    same = runs["local"]["shards"] == runs["ray"]["shards"]
+    print(f"local and ray shards byte-identical: {same}")
+
+
+def prepare_scale(args) -> None:
+    import maxmoe.data.prepare as prep
+    from maxmoe.data.executors import LaunchOptions
+
+    cpu: dict[str, float] = {}
+
+    class Timed:  # the stage's executor, with the CPU seconds of its run() recorded
+        def __init__(self, executor, name):
+            self.executor, self.name = executor, name
+
+        def run(self):
+            start = time.process_time()
+            self.executor.run()
+            cpu[self.name] = time.process_time() - start
+
+        def get_incomplete_ranks(self):
+            return self.executor.get_incomplete_ranks()
+
+    real = prep.executor_for
+    prep.executor_for = lambda stage, *a: Timed(real(stage, *a), stage.name)
+    cli = [sys.executable, "-m", "maxmoe.cli", "data"]
+    print("| documents | MB | " + " | ".join(STAGES) + " |")
+    print("|---|---|" + "---|" * len(STAGES))
+    for size in args.sizes:
+        cpu.clear()
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            corpus = os.path.join(tmp, "in")
+            sd.generate(sd.CorpusSpec(documents=size, hard_negative_fraction=0.02, files=2,
+                                      seed=size), corpus)
+            megabytes = sum(os.path.getsize(os.path.join(corpus, f))
+                            for f in os.listdir(corpus)) / 1e6
+            subprocess.run(cli + ["tokenizer", corpus, "--vocab-size", "4000", "--out",
+                                  os.path.join(tmp, "tok")], check=True, capture_output=True)
+            prep.prepare([corpus], os.path.join(tmp, "tok"), os.path.join(tmp, "out"),
+                         prep.PrepareOptions(tasks=2, launch=LaunchOptions(workers=1)))
+        print(f"| {size} | {megabytes:.0f} | "
+              + " | ".join(f"{size / cpu[s]:.0f}" if s in cpu else "-" for s in STAGES) + " |",
+              flush=True)
+    print("(documents per CPU second of each stage of maxmoe data prepare, i.e. per core)")
+
+
+STAGES = ("clean", "exact", "signatures", "buckets", "cluster", "write", "manifest")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -187,7 +282,14 @@ def main() -> None:
     s.add_argument("--sizes", type=int, nargs="+", default=[10000, 30000, 100000])
     s.add_argument("--tasks", type=int, default=4)
     s.set_defaults(run=scale)
-    for p in (q, s):
+    r = sub.add_parser("prepare")
+    r.add_argument("--documents", type=int, default=4000)
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(run=prepare)
+    ps = sub.add_parser("prepare-scale")
+    ps.add_argument("--sizes", type=int, nargs="+", default=[10000, 30000])
+    ps.set_defaults(run=prepare_scale)
+    for p in (q, s, r, ps):
         p.add_argument("--tmp", default=None, help="folder for the corpus and stage outputs")
     args = parser.parse_args()
     args.run(args)

@@ -35,13 +35,13 @@ class MinhashParams:
     # words per shingle: 1 puts 5%-edited copies at Jaccard >= 0.90, clear of hard negatives
     # at <= 0.7 (5-grams, FineWeb's choice, put them at 0.63; see the module docstring)
     ngram: int = 1
-    # buckets (LSH bands) b: with r = 18, P(0.90) = 0.990 and P(0.70) = 0.045, a mean of 0.42%
-    # over Jaccard 0.3-0.7; the fewest hashes (504) with P(0.90) >= 0.98 at <= 0.5% mean
-    # false positives, found by scanning b x r (tools/dedup_figures.py scan)
+    # buckets (LSH bands) b: with r = 18, P(0.90) = 0.989 and P(0.70) = 0.045, a mean of 0.42%
+    # over Jaccard 0.3-0.7: the best b x r within 512 hashes at <= 0.5% mean false positives
+    # (tools/dedup_figures.py scan); 22 x 17 = 374 hashes gives P(0.90) = 0.982, no margin
     num_buckets: int = 28
     # hashes per bucket (LSH rows) r: sets the S-curve's steepness, midpoint (1/28)**(1/18) = 0.83
     hashes_per_bucket: int = 18
-    # bits per stored hash: 32 halves FineWeb's 64-bit signature files (2 KB a document here);
+    # bits per stored hash: 32 nearly halves FineWeb's 64-bit signature files (2 KB a document);
     # a chance 32-bit collision of all 18 hashes of a bucket is ~2**-576, never seen
     precision: int = 32
     # shingle hash: hashlib's sha1 needs no extra package (datatrove's default wants xxhash)

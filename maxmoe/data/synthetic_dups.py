@@ -202,7 +202,7 @@ def generate(spec: CorpusSpec, out_dir: str, params: MinhashParams | None = None
                                     jaccard(shingle(original[1]), shingle(text)), kind))
     for _ in range(n_negative_pairs):
         j = -1.0
-        while not HARD_NEGATIVE_RANGE[0] <= j <= HARD_NEGATIVE_RANGE[1]:  # the search can overshoot
+        while not HARD_NEGATIVE_RANGE[0] <= j < HARD_NEGATIVE_RANGE[1]:  # the search can overshoot
             body_a, body_b = _body(words, rng), _body(words, rng)
             target = rng.uniform(*HARD_NEGATIVE_RANGE)
             header, footer, j = _boilerplate(words, rng, shingle, body_a, body_b, target)

@@ -9,12 +9,8 @@ The full-size figures, per Jaccard bin, are in docs/pending/dedupq.md (tools/ded
 import hashlib
 import os
 
-import pytest
-
-pytest.importorskip("datatrove")
-
-from maxmoe.data.minhash import MinhashParams, minhash_config, word_tokenizer  # noqa: E402
-from maxmoe.data.synthetic_dups import CorpusSpec, generate, run_local, score  # noqa: E402
+from maxmoe.data.minhash import MinhashParams, minhash_config, word_tokenizer
+from maxmoe.data.synthetic_dups import CorpusSpec, generate, run_local, score
 
 # 320 hard-negative pairs, so one false positive is 0.3% and the 1% bound is 3 pairs
 SPEC = CorpusSpec(documents=1200, near_dup_fraction=0.3, hard_negative_fraction=0.55, files=2,
