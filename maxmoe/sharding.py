@@ -229,15 +229,25 @@ def compute_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
     - zero1: the rules' own axes as `copy_rules` leaves them (experts over the expert axis,
       tensor dims over tensor, the stack over the stages), replicated over the rest; a stack
       the stages do not divide (V3's 58 MoE layers on 16) keeps the stage axes where storage
-      puts them, so a device holds its stage's share, as `stack_source_spec` reads it;
+      puts them, so a device holds its stage's share, as `stack_source_spec` reads it; a
+      routed expert weight's experts dim holds the `copy_groups` replicas, split over those
+      axes first ([G E]: one replica per device);
     - hsdp: the rules' own axes but the data-parallel ones that span hosts (`copy_rules`),
       plus the storage axes that stay inside a host (DCN factor 1 in `dcn`), each on the dim
       storage puts it: gathered over NVLink per use, never across hosts.
+    `shape` is the stored param's ([E] on the experts dim, not the copy's [G E]).
     """
     stored, _ = state_dim_axes(logical, rules, sizes, shape)
     if weights == "zero3":
         return stored
-    own = dim_axes(logical, copy_rules(rules, weights, dcn or {}), sizes, shape)
+    groups = copy_groups(rules, weights, dcn or {})
+    own_rules = copy_rules(rules, weights, dcn or {})
+    # the experts dim's replicas go first, by hand (`shape` has the stored E)
+    own_rules["experts"] = [a for a in own_rules.get("experts", []) if a not in groups]
+    own = dim_axes(logical, own_rules, sizes, shape)
+    if "experts" in logical:
+        d = list(logical).index("experts")
+        own[d] = tuple(a for a in groups if sizes.get(a, 1) > 1) + own[d]
     keep = set(rules.get("stage", []))
     if weights == "hsdp":
         keep |= {a for a in sizes if (dcn or {}).get(a, 1) == 1}
@@ -261,8 +271,36 @@ def copy_rules(rules: Mapping[str, list[str]], weights: str,
         return dict(rules)
     parallel = set(DATA_PARALLEL_AXES) | set(rules.get("stage", []))
     drop = {a for a in parallel if weights == "zero1" or dcn.get(a, 1) > 1}
-    return {k: list(v) if k == "batch" or k in STACK_AXES else [a for a in v if a not in drop]
-            for k, v in rules.items()}
+    out = {k: list(v) if k == "batch" or k in STACK_AXES else [a for a in v if a not in drop]
+           for k, v in rules.items()}
+    groups = copy_groups(rules, weights, dcn)
+    if groups:  # the routed experts' replicas (copy_groups), major on the experts dim
+        out["experts"] = [*groups, *out.get("experts", [])]
+    return out
+
+
+def copy_groups(rules: Mapping[str, list[str]], weights: str,
+                dcn: Mapping[str, int]) -> tuple[str, ...]:
+    """The axes over which a routed expert weight's compute copy holds replicas: [..., G E,
+    ...] (replica g's experts at g E .. g E + E - 1), split over these axes, then the expert
+    axes. They are the data-parallel axes that split the batch and the copy is replicated over
+    (zero1: DATA_PARALLEL_AXES; hsdp: those spanning hosts); () under zero3; size-1 axes kept.
+    Why: each device reads its own replica, so the MoE shard_map (parallel/experts.py) leaves
+    its gradient unreduced, and train/gradients.py adds the replicas once per step."""
+    if weights == "zero3":
+        return ()
+    batch = rules.get("batch", [])
+    return tuple(a for a in DATA_PARALLEL_AXES
+                 if a in batch and (weights == "zero1" or dcn.get(a, 1) > 1))
+
+
+def expert_replicas() -> tuple[str, ...]:
+    """The current compute copy's `copy_groups` of size > 1; () off a copy or mesh."""
+    copy, mesh = _COPY.get(), _MESH.get()
+    if copy is None or mesh is None:
+        return ()
+    weights, dcn, stored_rules = copy
+    return tuple(a for a in copy_groups(stored_rules, weights, dcn) if mesh.shape[a] > 1)
 
 
 @contextlib.contextmanager
@@ -301,6 +339,10 @@ def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
     copy = _COPY.get()
     if copy is not None and sizes is not None:  # zero1 / hsdp: the compute copy's layout
         weights, dcn, stored_rules = copy
+        if "experts" in logical:  # the copy's [G E] replicas (copy_groups) -> the stored E
+            d = logical.index("experts")
+            g = math.prod(sizes.get(a, 1) for a in copy_groups(stored_rules, weights, dcn))
+            shape = (*shape[:d], shape[d] // g, *shape[d + 1:])
         return _as_spec(compute_axes(logical, stored_rules, sizes, shape, weights, dcn))
     axes = dim_axes(logical, rules, sizes, shape)
     stage = [a for a in rules.get("stage", []) if sizes and sizes[a] > 1]

@@ -6,8 +6,9 @@ Properties:
   device's, float32 compute, to rtol 1e-4 / atol 1e-6 (the equivalence matrix's tolerance:
   only the order of float32 sums differs); loss within 1e-5 relative;
 - the compute copy's layout (sharding.compute_axes): zero1 replicates every param over data
-  and fsdp but keeps the experts over the expert axis and a stack over the stages; hsdp adds
-  back only the storage axes that stay inside a host;
+  and fsdp but keeps the experts over the expert axis and a stack over the stages (the
+  experts as one replica per data x fsdp group, split over those axes first); hsdp adds back
+  only the storage axes that stay inside a host;
 - the train state is placed the same in every mode, so a checkpoint saved under one restores
   under another (checkpoints stay layout-independent).
 """
@@ -80,8 +81,9 @@ def test_weight_modes_match_one_device(name, weights, reference):
 
 
 def test_compute_axes_by_mode():
-    rules = {"experts": ["expert"], "embed": ["fsdp"], "expert_mlp": ["tensor"],
-             "layers": ["pipeline"], "stage": ["pipeline"], "heads": ["tensor"]}
+    rules = {"batch": ["data", "fsdp", "expert"], "experts": ["expert"], "embed": ["fsdp"],
+             "expert_mlp": ["tensor"], "layers": ["pipeline"], "stage": ["pipeline"],
+             "heads": ["tensor"]}
     sizes = {"data": 2, "fsdp": 4, "pipeline": 1, "expert": 2, "tensor": 1}
     dcn = {"data": 2}  # data across hosts, fsdp and expert inside
     expert_w = (("experts", "embed", "expert_mlp"), (8, 64, 32))
@@ -92,11 +94,14 @@ def test_compute_axes_by_mode():
     store, zero1, hsdp = axes("zero3"), axes("zero1"), axes("hsdp")
     used = {n: {a for ax in v for a in ax} for n, v in store.items()}
     assert used["e"] == used["a"] == {"data", "fsdp", "expert"}  # ZeRO-3: every axis
-    assert zero1["e"] == [("expert",), (), ()] and zero1["a"] == [(), ()]
-    # hsdp: fsdp (inside a host) back on the dim storage put it; data (across hosts) never
-    for n in ("e", "a"):
-        assert all("data" not in ax for ax in hsdp[n])
-        assert {a for ax in hsdp[n] for a in ax} == used[n] - {"data"}
+    # zero1: the experts' copy holds a replica per data x fsdp group ([G E], copy_groups)
+    assert zero1["e"] == [("data", "fsdp", "expert"), (), ()] and zero1["a"] == [(), ()]
+    # hsdp: fsdp (inside a host) back on the dim storage put it; data (across hosts) only as
+    # the experts' replicas, first on their dim
+    assert all("data" not in ax for ax in hsdp["a"])
+    assert {a for ax in hsdp["a"] for a in ax} == used["a"] - {"data"}
+    assert hsdp["e"][0][0] == "data" and all("data" not in ax for ax in hsdp["e"][1:])
+    assert {a for ax in hsdp["e"] for a in ax} == used["e"]
 
 
 def test_stack_keeps_its_stages_under_zero1():
