@@ -32,6 +32,8 @@ _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", defa
 # copy (compute_copy)
 _COPY: contextvars.ContextVar[tuple[str, dict, dict] | None] = contextvars.ContextVar(
     "copy", default=None)
+# the copy_groups axes a layer stack is vmapped over (within_replicas), () outside
+_REPLICAS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("replicas", default=())
 # the batch axes that are data parallelism alone: ZeRO-1/HSDP replicate compute weights over them
 DATA_PARALLEL_AXES = ("data", "fsdp")
 
@@ -229,25 +231,15 @@ def compute_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
     - zero1: the rules' own axes as `copy_rules` leaves them (experts over the expert axis,
       tensor dims over tensor, the stack over the stages), replicated over the rest; a stack
       the stages do not divide (V3's 58 MoE layers on 16) keeps the stage axes where storage
-      puts them, so a device holds its stage's share, as `stack_source_spec` reads it; a
-      routed expert weight's experts dim holds the `copy_groups` replicas, split over those
-      axes first ([G E]: one replica per device);
+      puts them, so a device holds its stage's share, as `stack_source_spec` reads it;
     - hsdp: the rules' own axes but the data-parallel ones that span hosts (`copy_rules`),
       plus the storage axes that stay inside a host (DCN factor 1 in `dcn`), each on the dim
       storage puts it: gathered over NVLink per use, never across hosts.
-    `shape` is the stored param's ([E] on the experts dim, not the copy's [G E]).
     """
     stored, _ = state_dim_axes(logical, rules, sizes, shape)
     if weights == "zero3":
         return stored
-    groups = copy_groups(rules, weights, dcn or {})
-    own_rules = copy_rules(rules, weights, dcn or {})
-    # the experts dim's replicas go first, by hand (`shape` has the stored E)
-    own_rules["experts"] = [a for a in own_rules.get("experts", []) if a not in groups]
-    own = dim_axes(logical, own_rules, sizes, shape)
-    if "experts" in logical:
-        d = list(logical).index("experts")
-        own[d] = tuple(a for a in groups if sizes.get(a, 1) > 1) + own[d]
+    own = dim_axes(logical, copy_rules(rules, weights, dcn or {}), sizes, shape)
     keep = set(rules.get("stage", []))
     if weights == "hsdp":
         keep |= {a for a in sizes if (dcn or {}).get(a, 1) == 1}
@@ -271,22 +263,17 @@ def copy_rules(rules: Mapping[str, list[str]], weights: str,
         return dict(rules)
     parallel = set(DATA_PARALLEL_AXES) | set(rules.get("stage", []))
     drop = {a for a in parallel if weights == "zero1" or dcn.get(a, 1) > 1}
-    out = {k: list(v) if k == "batch" or k in STACK_AXES else [a for a in v if a not in drop]
-           for k, v in rules.items()}
-    groups = copy_groups(rules, weights, dcn)
-    if groups:  # the routed experts' replicas (copy_groups), major on the experts dim
-        out["experts"] = [*groups, *out.get("experts", [])]
-    return out
+    return {k: list(v) if k == "batch" or k in STACK_AXES else [a for a in v if a not in drop]
+            for k, v in rules.items()}
 
 
 def copy_groups(rules: Mapping[str, list[str]], weights: str,
                 dcn: Mapping[str, int]) -> tuple[str, ...]:
-    """The axes over which a routed expert weight's compute copy holds replicas: [..., G E,
-    ...] (replica g's experts at g E .. g E + E - 1), split over these axes, then the expert
-    axes. They are the data-parallel axes that split the batch and the copy is replicated over
-    (zero1: DATA_PARALLEL_AXES; hsdp: those spanning hosts); () under zero3; size-1 axes kept.
-    Why: each device reads its own replica, so the MoE shard_map (parallel/experts.py) leaves
-    its gradient unreduced, and train/gradients.py adds the replicas once per step."""
+    """The axes a compute copy holds one replica of each stacked param per group of,
+    [G, L, ...] split over them (train/gradients.py ComputeCopy): the data-parallel axes that
+    split the batch and the copy is replicated over (zero1: DATA_PARALLEL_AXES; hsdp: those
+    spanning hosts); () under zero3. Why: the stacks run vmapped over the replicas
+    (parallel/replicas.py), so the scans reduce no gradient over these axes."""
     if weights == "zero3":
         return ()
     batch = rules.get("batch", [])
@@ -294,13 +281,33 @@ def copy_groups(rules: Mapping[str, list[str]], weights: str,
                  if a in batch and (weights == "zero1" or dcn.get(a, 1) > 1))
 
 
-def expert_replicas() -> tuple[str, ...]:
-    """The current compute copy's `copy_groups` of size > 1; () off a copy or mesh."""
+def replica_axes(inside: bool = False) -> tuple[str, ...]:
+    """The current compute copy's `copy_groups` of size > 1, the stacks' replica axes; ()
+    off a copy or mesh, or within_replicas (already split). inside: the axes the current
+    `within_replicas` splits instead (each device group its own rows), else ()."""
+    if inside:
+        return _REPLICAS.get()
     copy, mesh = _COPY.get(), _MESH.get()
-    if copy is None or mesh is None:
+    if copy is None or mesh is None or _REPLICAS.get():
         return ()
     weights, dcn, stored_rules = copy
     return tuple(a for a in copy_groups(stored_rules, weights, dcn) if mesh.shape[a] > 1)
+
+
+@contextlib.contextmanager
+def within_replicas(axes: tuple[str, ...]) -> Iterator[None]:
+    """The rules with `axes` dropped from every logical axis but STACK_AXES while a layer
+    stack traces vmapped over its replicas (parallel/replicas.py), as `within_stages` does
+    for the stages: "batch" then names a device group's rows alone."""
+    rules = _RULES.get() or {}
+    t1 = _RULES.set({k: list(v) if k in STACK_AXES else [a for a in v if a not in axes]
+                     for k, v in rules.items()})
+    t2 = _REPLICAS.set(tuple(axes))
+    try:
+        yield
+    finally:
+        _REPLICAS.reset(t2)
+        _RULES.reset(t1)
 
 
 @contextlib.contextmanager
@@ -339,10 +346,6 @@ def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
     copy = _COPY.get()
     if copy is not None and sizes is not None:  # zero1 / hsdp: the compute copy's layout
         weights, dcn, stored_rules = copy
-        if "experts" in logical:  # the copy's [G E] replicas (copy_groups) -> the stored E
-            d = logical.index("experts")
-            g = math.prod(sizes.get(a, 1) for a in copy_groups(stored_rules, weights, dcn))
-            shape = (*shape[:d], shape[d] // g, *shape[d + 1:])
         return _as_spec(compute_axes(logical, stored_rules, sizes, shape, weights, dcn))
     axes = dim_axes(logical, rules, sizes, shape)
     stage = [a for a in rules.get("stage", []) if sizes and sizes[a] > 1]

@@ -41,7 +41,7 @@ from maxmoe.parallel.dispatch import (
     choose_transport,
 )
 from maxmoe.parallel.two_level import TwoLevel
-from maxmoe.sharding import current_mesh, expert_replicas, mesh_axes
+from maxmoe.sharding import current_mesh, mesh_axes, replica_axes
 
 
 def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
@@ -69,15 +69,11 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
         y, dropped, rounds = dispatcher(x, idx, w, w_gate, w_up, w_down)
         return y.astype(x.dtype).reshape(b, s, d), _stats(dropped, rounds, total)
 
-    # on a compute copy the experts dim holds one replica per device group (replicas,
-    # sharding.copy_groups): split over them too, so the transpose leaves each group's
-    # gradient unreduced (train/gradients.py adds them once per step)
-    replicas = expert_replicas()
-    batch, tp = mesh_axes("batch"), mesh_axes("expert_mlp")
-    ep = tuple(a for a in mesh_axes("experts") if a not in replicas)
-    # (stage axes excluded: under the pipeline's vmap each stage has its own tokens)
+    batch, ep, tp = mesh_axes("batch"), mesh_axes("experts"), mesh_axes("expert_mlp")
+    # (stage and replica axes excluded: under the pipeline's vmap each stage has its own
+    # tokens, under parallel/replicas.py's each device group)
     others = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in batch
-                   and a not in mesh_axes("stage"))
+                   and a not in mesh_axes("stage") + replica_axes(inside=True))
     shards = ExpertShards(axes=ep, sizes=tuple(mesh.shape[a] for a in ep),
                           gathered=tuple(a for a in ep if a in batch),
                           sync=tuple(a for a in batch + others if a in mesh.axis_names))
@@ -87,8 +83,8 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
     dispatcher.fp8, dispatcher.amax = fp8, AmaxAxes(rows=shards.sync, weights=tp)
     replicated = tuple(a for a in ep if a not in batch)  # tokens already present everywhere
     tok = P(batch or None, None, None)
-    wspec_in = P((*replicas, *ep) or None, None, tp or None)
-    wspec_out = P((*replicas, *ep) or None, tp or None, None)
+    wspec_in = P(ep or None, None, tp or None)
+    wspec_out = P(ep or None, tp or None, None)
 
     # check_vma off: under the pipeline's vmap (spmd_axis_name) the varying-axes inference
     # wrongly flags outputs as varying over the stage axis; the equivalence tests pin the specs

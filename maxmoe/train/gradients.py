@@ -5,9 +5,10 @@ batch over train.grad_accum_steps microbatches. Under mesh.weights zero1 / hsdp 
 microbatches read a compute copy of the params (`ComputeCopy`, laid out by
 `sharding.compute_axes`) made once per step, and their gradients are summed in that layout,
 so the reduction over the data-parallel axes runs once per step rather than per microbatch.
-The routed experts' copy holds one replica per data-parallel device group
-(sharding.copy_groups), so their gradients are not reduced inside the layer scans either:
-the replicas' float32 sums are added once per step (`ComputeCopy.write`).
+The copy of the stacked (layer-scanned) params holds one replica per data-parallel device
+group (sharding.copy_groups), which the stacks run vmapped over (parallel/replicas.py), so no
+layer's gradient is reduced over those axes inside the scans either: the replicas' float32
+sums are added once per step (`ComputeCopy.write`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
 from maxmoe.model.transformer import DTYPES, LossShare, load_summary, loss_token_counts
@@ -38,33 +39,23 @@ class ComputeCopy:
     shardings: Any  # NamedSharding per param: the copy's layout (replicated over data, fsdp)
     dtypes: Any  # per param: the compute dtype, float32 where the model reads float32
     stored: Any  # NamedSharding per param: the train state's layout (ZeRO-3 over all axes)
-    # per param: the dim holding the routed experts' replicas (sharding.copy_groups), or -1
-    replica_dims: Any
-    replicas: int = 1  # G, the replicas of a routed expert weight in the copy
+    stacked: Any  # per param: whether the copy holds replicas of it ([G, L, ...])
+    replicas: int = 1  # G: one replica per group of sharding.copy_groups' axes
 
     def read(self, params):
-        """The float32 params (state layout) -> the copy: cast, each routed expert weight
-        [..., E, ...] repeated G times, [..., G E, ...], so each device reads its own replica
-        (its gradient is then summed over that device group's rows only), laid out."""
+        """The float32 params (state layout) -> the copy: cast, and each stacked param
+        [L, ...] repeated G times, [G, L, ...], one replica per device group (the layer stacks
+        run vmapped over them: parallel/replicas.py), laid out."""
         params = jax.tree.map(lambda p, t: p.astype(t), params, self.dtypes)
-        return _constrained(jax.tree.map(self._repeat, params, self.replica_dims),
-                            self.shardings)
+        params = jax.tree.map(lambda p, s: jnp.broadcast_to(p, (self.replicas, *p.shape))
+                              if s else p, params, self.stacked)
+        return _constrained(params, self.shardings)
 
     def write(self, grads):
-        """Gradients of the copy -> the state's layout: the replicas' gradients added (the
-        one reduction of the routed experts' gradients over the data-parallel axes)."""
-        return _constrained(jax.tree.map(self._add, grads, self.replica_dims), self.stored)
-
-    def _repeat(self, a, d):
-        if d < 0 or self.replicas == 1:
-            return a
-        a = jnp.broadcast_to(jnp.expand_dims(a, d), (*a.shape[:d], self.replicas, *a.shape[d:]))
-        return a.reshape(*a.shape[:d], -1, *a.shape[d + 2:])
-
-    def _add(self, g, d):
-        if d < 0 or self.replicas == 1:
-            return g
-        return g.reshape(*g.shape[:d], self.replicas, -1, *g.shape[d + 1:]).sum(d)
+        """Gradients of the copy -> the state's layout, the replicas' gradients added: the one
+        reduction over the replica axes of the stacked params' gradients."""
+        grads = jax.tree.map(lambda g, s: jnp.sum(g, axis=0) if s else g, grads, self.stacked)
+        return _constrained(grads, self.stored)
 
 
 def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, stored):
@@ -79,12 +70,16 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
     dtypes = nnx.to_pure_dict(jax.tree.map(
         lambda v: v.replace(jnp.float32 if v.get_metadata().get("compute_float32") else compute),
         abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    dims = nnx.to_pure_dict(jax.tree.map(
-        lambda v: v.replace(param_axes(v).index("experts") if "experts" in param_axes(v) else -1),
+    groups = tuple(a for a in copy_groups(cfg.mesh.rules, cfg.mesh.weights, dcn)
+                   if mesh.shape[a] > 1)
+    replicas = math.prod(mesh.shape[a] for a in groups)
+    # stacked: a leading dim beyond the param's own axes (param_axes calls it "layers")
+    stacked = nnx.to_pure_dict(jax.tree.map(
+        lambda v: v.replace(replicas > 1 and param_axes(v)[:1] == ("layers",)),
         abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    groups = copy_groups(cfg.mesh.rules, cfg.mesh.weights, dcn)
-    replicas = math.prod(dict(mesh.shape)[a] for a in groups)
-    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, dims, replicas)
+    copy = jax.tree.map(lambda c, s: NamedSharding(mesh, P(groups, *c.spec)) if s else c,
+                        copy, stacked)
+    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, replicas)
 
 
 # microbatch metrics summed into the step's under gradient accumulation (accumulated)
@@ -128,9 +123,9 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | Non
     parallel axes, so each device sums its own rows' partial gradients and one reduction per
     step (all-reduce or reduce-scatter, in the compute dtype) brings them to the state's layout.
     XLA:GPU hoists that reduction out of the accumulation loop (its while-loop all-reduce code
-    motion); XLA:CPU does not, so a CPU plan counts it once per microbatch. The routed
-    experts' gradients, one per replica (ComputeCopy.read), are never reduced in the loop on
-    either compiler: their replicas are added after it, in float32."""
+    motion); XLA:CPU does not, so a CPU plan counts it once per microbatch. The stacked
+    params' gradients, one per replica (ComputeCopy.read), are never reduced over the replica
+    axes in the loop on either compiler: their replicas are added after it, in float32."""
     gradients = _gradients(cfg, graphdef, micro_spec, copy)
     if copy is None:
         return gradients

@@ -6,9 +6,8 @@ Properties:
   device's, float32 compute, to rtol 1e-4 / atol 1e-6 (the equivalence matrix's tolerance:
   only the order of float32 sums differs); loss within 1e-5 relative;
 - the compute copy's layout (sharding.compute_axes): zero1 replicates every param over data
-  and fsdp but keeps the experts over the expert axis and a stack over the stages (the
-  experts as one replica per data x fsdp group, split over those axes first); hsdp adds back
-  only the storage axes that stay inside a host;
+  and fsdp but keeps the experts over the expert axis and a stack over the stages; hsdp adds
+  back only the storage axes that stay inside a host;
 - the train state is placed the same in every mode, so a checkpoint saved under one restores
   under another (checkpoints stay layout-independent).
 """
@@ -81,9 +80,8 @@ def test_weight_modes_match_one_device(name, weights, reference):
 
 
 def test_compute_axes_by_mode():
-    rules = {"batch": ["data", "fsdp", "expert"], "experts": ["expert"], "embed": ["fsdp"],
-             "expert_mlp": ["tensor"], "layers": ["pipeline"], "stage": ["pipeline"],
-             "heads": ["tensor"]}
+    rules = {"experts": ["expert"], "embed": ["fsdp"], "expert_mlp": ["tensor"],
+             "layers": ["pipeline"], "stage": ["pipeline"], "heads": ["tensor"]}
     sizes = {"data": 2, "fsdp": 4, "pipeline": 1, "expert": 2, "tensor": 1}
     dcn = {"data": 2}  # data across hosts, fsdp and expert inside
     expert_w = (("experts", "embed", "expert_mlp"), (8, 64, 32))
@@ -94,14 +92,11 @@ def test_compute_axes_by_mode():
     store, zero1, hsdp = axes("zero3"), axes("zero1"), axes("hsdp")
     used = {n: {a for ax in v for a in ax} for n, v in store.items()}
     assert used["e"] == used["a"] == {"data", "fsdp", "expert"}  # ZeRO-3: every axis
-    # zero1: the experts' copy holds a replica per data x fsdp group ([G E], copy_groups)
-    assert zero1["e"] == [("data", "fsdp", "expert"), (), ()] and zero1["a"] == [(), ()]
-    # hsdp: fsdp (inside a host) back on the dim storage put it; data (across hosts) only as
-    # the experts' replicas, first on their dim
-    assert all("data" not in ax for ax in hsdp["a"])
-    assert {a for ax in hsdp["a"] for a in ax} == used["a"] - {"data"}
-    assert hsdp["e"][0][0] == "data" and all("data" not in ax for ax in hsdp["e"][1:])
-    assert {a for ax in hsdp["e"] for a in ax} == used["e"]
+    assert zero1["e"] == [("expert",), (), ()] and zero1["a"] == [(), ()]
+    # hsdp: fsdp (inside a host) back on the dim storage put it; data (across hosts) never
+    for n in ("e", "a"):
+        assert all("data" not in ax for ax in hsdp[n])
+        assert {a for ax in hsdp[n] for a in ax} == used[n] - {"data"}
 
 
 def test_stack_keeps_its_stages_under_zero1():
@@ -148,3 +143,17 @@ def test_checkpoint_saved_under_zero3_resumes_under_zero1(tmp_path):
     np.testing.assert_allclose(m1["loss"], m3["loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s3["params"]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_zero1_copy_holds_a_replica_of_each_stack_per_data_parallel_group():
+    """The copy of a stacked param is [G, L, ...], G = data x fsdp groups, split over them
+    (parallel/replicas.py runs the stacks over the replicas); the other params are not."""
+    cfg, origins = small_config(*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "mesh.weights=zero1")
+    sizes = validate(cfg, 8, origins)
+    mesh = make_mesh(sizes, jax.devices()[:8])
+    copy = state_layout(cfg, mesh).compute
+    assert copy.replicas == 4
+    stacked = jax.tree.leaves(copy.stacked)
+    assert any(stacked) and not all(stacked)  # the layer stacks; the embedding, head, norm
+    for s, sharding in zip(stacked, jax.tree.leaves(copy.shardings), strict=True):
+        assert (tuple(sharding.spec)[:1] == (("data", "fsdp"),)) == s
