@@ -132,7 +132,9 @@ def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
 def run_stack(stack, x, segment_ids, positions, *, remat: str,
               pipeline: PipelineSchedule | None = None):
     """Applies a layer group: a stacked module scanned (run pipelined on a `pipeline`
-    schedule), or an nnx.List of per-layer blocks unrolled."""
+    schedule), or an nnx.List of per-layer blocks unrolled. On a compute copy with replicas
+    (mesh.weights zero1 / hsdp, sharding.replica_axes) a stack runs once per replica, each
+    on its device group's rows (parallel/replicas.py)."""
     if isinstance(stack, nnx.List):
         return run_blocks(list(stack), x, segment_ids, positions, remat=remat)
     layers = functools.partial(run_layers, remat=remat)

@@ -36,7 +36,9 @@ class ComputeCopy:
     float32 state (sharding.compute_axes), and where their gradients go back to."""
     weights: str
     dcn: dict  # mesh axis -> its DCN factor (hsdp keeps the others' storage split)
-    shardings: Any  # NamedSharding per param: the copy's layout (replicated over data, fsdp)
+    # NamedSharding per param: the copy's layout (replicated over data, fsdp; a stacked
+    # param's replicas split over them)
+    shardings: Any
     dtypes: Any  # per param: the compute dtype, float32 where the model reads float32
     stored: Any  # NamedSharding per param: the train state's layout (ZeRO-3 over all axes)
     stacked: Any  # per param: whether the copy holds replicas of it ([G, L, ...])

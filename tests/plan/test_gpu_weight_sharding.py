@@ -19,6 +19,7 @@ sharding modes"). The `gpu_aot` group; tiny on 16 deviceless H100s in 2 hosts (d
 across them x fsdp 2 x expert 2; pipelined: data 2 x fsdp 2 x pipeline 2 x expert 2), bf16.
 """
 
+import functools
 import re
 
 import numpy as np
@@ -101,29 +102,31 @@ def data_parallel_reductions_in_layer_scans(hlo: str, mesh) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    out = {}
-    for name, items in {"zero3": ["mesh.weights=zero3"], "zero1": ["mesh.weights=zero1"],
-                        "zero1_pipelined": ["mesh.weights=zero1", *PIPELINED]}.items():
-        setup, step, _ = compile_step([*TINY, *items], 16, 2, "gpu", "h100")
-        hlo, mesh = step.as_text(), setup.trainer.mesh
-        out[name] = hlo, collective_bytes(hlo, mesh, 8).total("dcn"), mesh
-    return out
+LAYOUTS = {"zero3": ["mesh.weights=zero3"], "zero1": ["mesh.weights=zero1"],
+           "zero1_pipelined": ["mesh.weights=zero1", *PIPELINED]}
 
 
-def test_zero1_accumulates_without_moving_weights(compiled):
-    assert large_collectives_in_accumulation(compiled["zero3"][0])  # the check can fire
-    assert large_collectives_in_accumulation(compiled["zero1"][0]) == []
+@functools.cache
+def compiled(name: str):
+    """(HLO text, cross-host bytes per device per step, mesh) of LAYOUTS[name], compiled once
+    per process when a test first asks (each test's timeout then covers at most two)."""
+    setup, step, _ = compile_step([*TINY, *LAYOUTS[name]], 16, 2, "gpu", "h100")
+    hlo, mesh = step.as_text(), setup.trainer.mesh
+    return hlo, collective_bytes(hlo, mesh, 8).total("dcn"), mesh
+
+
+def test_zero1_accumulates_without_moving_weights():
+    assert large_collectives_in_accumulation(compiled("zero3")[0])  # the check can fire
+    assert large_collectives_in_accumulation(compiled("zero1")[0]) == []
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero1_pipelined"])
-def test_zero1_layer_scans_reduce_no_gradient_over_data_parallel_axes(compiled, name):
-    hlo, _, mesh = compiled["zero3"]
+def test_zero1_layer_scans_reduce_no_gradient_over_data_parallel_axes(name):
+    hlo, _, mesh = compiled("zero3")
     assert data_parallel_reductions_in_layer_scans(hlo, mesh)  # the check can fire
-    hlo, _, mesh = compiled[name]
+    hlo, _, mesh = compiled(name)
     assert data_parallel_reductions_in_layer_scans(hlo, mesh) == []
 
 
-def test_zero1_sends_fewer_bytes_across_hosts(compiled):
-    assert compiled["zero1"][1] < compiled["zero3"][1]
+def test_zero1_sends_fewer_bytes_across_hosts():
+    assert compiled("zero1")[1] < compiled("zero3")[1]
