@@ -32,8 +32,10 @@ _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", defa
 # copy (compute_copy)
 _COPY: contextvars.ContextVar[tuple[str, dict, dict] | None] = contextvars.ContextVar(
     "copy", default=None)
-# the copy_groups axes a layer stack is vmapped over (within_replicas), () outside
-_REPLICAS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("replicas", default=())
+# the replica axes of the compute copy's stacks (compute_copy), and those a stack is vmapped
+# over now (within_replicas)
+_COPY_REPLICAS: contextvars.ContextVar[tuple] = contextvars.ContextVar("copies", default=())
+_REPLICAS: contextvars.ContextVar[tuple] = contextvars.ContextVar("replicas", default=())
 # the batch axes that are data parallelism alone: ZeRO-1/HSDP replicate compute weights over them
 DATA_PARALLEL_AXES = ("data", "fsdp")
 
@@ -282,23 +284,17 @@ def copy_groups(rules: Mapping[str, list[str]], weights: str,
 
 
 def replica_axes(inside: bool = False) -> tuple[str, ...]:
-    """The current compute copy's `copy_groups` of size > 1, the stacks' replica axes; ()
-    off a copy or mesh, or within_replicas (already split). inside: the axes the current
-    `within_replicas` splits instead (each device group its own rows), else ()."""
-    if inside:
-        return _REPLICAS.get()
-    copy, mesh = _COPY.get(), _MESH.get()
-    if copy is None or mesh is None or _REPLICAS.get():
-        return ()
-    weights, dcn, stored_rules = copy
-    return tuple(a for a in copy_groups(stored_rules, weights, dcn) if mesh.shape[a] > 1)
+    """The axes the compute copy holds the stacks' replicas over (compute_copy), () off it or
+    within_replicas; inside: the axes the current `within_replicas` splits instead."""
+    if inside or _REPLICAS.get():
+        return _REPLICAS.get() if inside else ()
+    return _COPY_REPLICAS.get()
 
 
 @contextlib.contextmanager
 def within_replicas(axes: tuple[str, ...]) -> Iterator[None]:
-    """The rules with `axes` dropped from every logical axis but STACK_AXES while a layer
-    stack traces vmapped over its replicas (parallel/replicas.py), as `within_stages` does
-    for the stages: "batch" then names a device group's rows alone."""
+    """The rules with `axes` dropped from every logical axis but STACK_AXES while a stack runs
+    vmapped over its replicas (parallel/replicas.py), as `within_stages` for the stages."""
     rules = _RULES.get() or {}
     t1 = _RULES.set({k: list(v) if k in STACK_AXES else [a for a in v if a not in axes]
                      for k, v in rules.items()})
@@ -311,16 +307,20 @@ def within_replicas(axes: tuple[str, ...]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def compute_copy(weights: str, dcn: Mapping[str, int]) -> Iterator[None]:
+def compute_copy(weights: str, dcn: Mapping[str, int],
+                 replicas: tuple[str, ...] = ()) -> Iterator[None]:
     """The step traces on a compute copy laid out by `compute_axes` (mesh.weights zero1 /
     hsdp): `stack_source_spec` reads the stack from that layout, not storage's, and `shard` /
-    `spec` use `copy_rules`. The current rules again on exit."""
+    `spec` use `copy_rules`; the stacks run on their replicas over mesh axes `replicas`
+    (`replica_axes`). The current rules again on exit."""
     rules = _RULES.get() or {}
     t1 = _COPY.set((weights, dict(dcn), dict(rules)))
     t2 = _RULES.set(copy_rules(rules, weights, dcn))
+    t3 = _COPY_REPLICAS.set(tuple(replicas))
     try:
         yield
     finally:
+        _COPY_REPLICAS.reset(t3)
         _RULES.reset(t2)
         _COPY.reset(t1)
 

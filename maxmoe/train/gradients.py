@@ -42,6 +42,7 @@ class ComputeCopy:
     dtypes: Any  # per param: the compute dtype, float32 where the model reads float32
     stored: Any  # NamedSharding per param: the train state's layout (ZeRO-3 over all axes)
     stacked: Any  # per param: whether the copy holds replicas of it ([G, L, ...])
+    groups: tuple = ()  # the mesh axes (size > 1) of the replicas: sharding.copy_groups
     replicas: int = 1  # G: one replica per group of sharding.copy_groups' axes
 
     def read(self, params):
@@ -72,8 +73,11 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
     dtypes = nnx.to_pure_dict(jax.tree.map(
         lambda v: v.replace(jnp.float32 if v.get_metadata().get("compute_float32") else compute),
         abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    groups = tuple(a for a in copy_groups(cfg.mesh.rules, cfg.mesh.weights, dcn)
-                   if mesh.shape[a] > 1)
+    # no replicas under precision.fp8: a tensorwise amax and a blockwise weight-gradient
+    # tile would then span a group's rows, not the batch's, so the result would differ from
+    # zero3's
+    groups = () if cfg.precision.fp8 != "none" else tuple(
+        a for a in copy_groups(cfg.mesh.rules, cfg.mesh.weights, dcn) if mesh.shape[a] > 1)
     replicas = math.prod(mesh.shape[a] for a in groups)
     # stacked: a leading dim beyond the param's own axes (param_axes calls it "layers")
     stacked = nnx.to_pure_dict(jax.tree.map(
@@ -81,7 +85,7 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
         abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     copy = jax.tree.map(lambda c, s: NamedSharding(mesh, P(groups, *c.spec)) if s else c,
                         copy, stacked)
-    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, replicas)
+    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas)
 
 
 # microbatch metrics summed into the step's under gradient accumulation (accumulated)
@@ -133,7 +137,7 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | Non
         return gradients
 
     def on_copy(params, batch, buffers, scale_state):
-        with compute_copy(copy.weights, copy.dcn):
+        with compute_copy(copy.weights, copy.dcn, copy.groups):
             grads, metrics = gradients(copy.read(params), batch, buffers, scale_state)
         return copy.write(grads), metrics
 
