@@ -20,8 +20,9 @@ from maxmoe.model.decode_moe import moe_step
 from maxmoe.model.layers import MLP, RMSNorm
 from maxmoe.model.moe import MoE
 from maxmoe.parallel.pipeline import run_pipeline
+from maxmoe.parallel.replicas import on_replicas
 from maxmoe.parallel.schedule import PipelineSchedule
-from maxmoe.sharding import shard
+from maxmoe.sharding import replica_axes, shard
 
 # tensors tagged with jax.ad_checkpoint.checkpoint_name in attention.py, mla.py and moe.py
 SAVED_NAMES = ("qkv_proj", "attn_out", "moe_dispatch", "moe_combine")
@@ -131,14 +132,24 @@ def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
 def run_stack(stack, x, segment_ids, positions, *, remat: str,
               pipeline: PipelineSchedule | None = None):
     """Applies a layer group: a stacked module scanned (run pipelined on a `pipeline`
-    schedule), or an nnx.List of per-layer blocks unrolled."""
+    schedule), or an nnx.List of per-layer blocks unrolled. On a compute copy with replicas
+    (mesh.weights zero1 / hsdp, sharding.replica_axes) a stack runs once per replica, each
+    on its device group's rows (parallel/replicas.py)."""
     if isinstance(stack, nnx.List):
         return run_blocks(list(stack), x, segment_ids, positions, remat=remat)
-    run = functools.partial(run_layers, remat=remat)
-    if pipeline is not None:
-        return run_pipeline(stack, x, segment_ids, positions, run_layers=run, schedule=pipeline)
+    layers = functools.partial(run_layers, remat=remat)
     graphdef, state = nnx.split(stack)
-    return run(graphdef, state, x, segment_ids, positions)
+
+    def run(state, x, segment_ids, positions):
+        if pipeline is not None:
+            return run_pipeline(nnx.merge(graphdef, state), x, segment_ids, positions,
+                                run_layers=layers, schedule=pipeline)
+        return layers(graphdef, state, x, segment_ids, positions)
+
+    replicas = replica_axes()
+    if replicas:  # zero1 / hsdp: one weight replica per data-parallel group (replicas.py)
+        return on_replicas(run, state, x, segment_ids, positions, replicas)
+    return run(state, x, segment_ids, positions)
 
 
 

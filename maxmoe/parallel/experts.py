@@ -41,7 +41,7 @@ from maxmoe.parallel.dispatch import (
     choose_transport,
 )
 from maxmoe.parallel.two_level import TwoLevel
-from maxmoe.sharding import current_mesh, mesh_axes
+from maxmoe.sharding import current_mesh, mesh_axes, replica_axes
 
 
 def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
@@ -70,12 +70,15 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
         return y.astype(x.dtype).reshape(b, s, d), _stats(dropped, rounds, total)
 
     batch, ep, tp = mesh_axes("batch"), mesh_axes("experts"), mesh_axes("expert_mlp")
-    # (stage axes excluded: under the pipeline's vmap each stage has its own tokens)
+    # (stage and replica axes excluded: under the pipeline's vmap each stage has its own
+    # tokens, under parallel/replicas.py's each device group)
+    replicas = replica_axes(inside=True)
     others = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in batch
-                   and a not in mesh_axes("stage"))
+                   and a not in mesh_axes("stage") + replicas)
     shards = ExpertShards(axes=ep, sizes=tuple(mesh.shape[a] for a in ep),
                           gathered=tuple(a for a in ep if a in batch),
-                          sync=tuple(a for a in batch + others if a in mesh.axis_names))
+                          sync=tuple(a for a in batch + others + replicas
+                                     if a in mesh.axis_names))
     dispatcher = _dispatcher(cfg, shards, mesh, s)
     # a tensorwise amax spans every axis but the pipeline's (tokens over the batch axes, experts
     # over the expert axes, the hidden's F over the tensor axes); a weight's, its F split

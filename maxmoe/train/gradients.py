@@ -5,22 +5,27 @@ batch over train.grad_accum_steps microbatches. Under mesh.weights zero1 / hsdp 
 microbatches read a compute copy of the params (`ComputeCopy`, laid out by
 `sharding.compute_axes`) made once per step, and their gradients are summed in that layout,
 so the reduction over the data-parallel axes runs once per step rather than per microbatch.
+The copy of the stacked (layer-scanned) params holds one replica per data-parallel device
+group (sharding.copy_groups), which the stacks run vmapped over (parallel/replicas.py), so no
+layer's gradient is reduced over those axes inside the scans either: the replicas' float32
+sums are added once per step (`ComputeCopy.write`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
 from maxmoe.model.transformer import DTYPES, LossShare, load_summary, loss_token_counts
 from maxmoe.parallel.row_groups import combine_stacked
-from maxmoe.sharding import compute_copy, compute_shardings
+from maxmoe.sharding import compute_copy, compute_shardings, copy_groups, param_axes
 from maxmoe.train.precision import make_loss_scaler
 from maxmoe.validation import dcn_sizes
 
@@ -31,9 +36,29 @@ class ComputeCopy:
     float32 state (sharding.compute_axes), and where their gradients go back to."""
     weights: str
     dcn: dict  # mesh axis -> its DCN factor (hsdp keeps the others' storage split)
-    shardings: Any  # NamedSharding per param: the copy's layout (replicated over data, fsdp)
+    # NamedSharding per param: the copy's layout (replicated over data, fsdp; a stacked
+    # param's replicas split over them)
+    shardings: Any
     dtypes: Any  # per param: the compute dtype, float32 where the model reads float32
     stored: Any  # NamedSharding per param: the train state's layout (ZeRO-3 over all axes)
+    stacked: Any  # per param: whether the copy holds replicas of it ([G, L, ...])
+    groups: tuple = ()  # the mesh axes (size > 1) of the replicas: sharding.copy_groups
+    replicas: int = 1  # G: one replica per group of sharding.copy_groups' axes
+
+    def read(self, params):
+        """The float32 params (state layout) -> the copy: cast, and each stacked param
+        [L, ...] repeated G times, [G, L, ...], one replica per device group (the layer stacks
+        run vmapped over them: parallel/replicas.py), laid out."""
+        params = jax.tree.map(lambda p, t: p.astype(t), params, self.dtypes)
+        params = jax.tree.map(lambda p, s: jnp.broadcast_to(p, (self.replicas, *p.shape))
+                              if s else p, params, self.stacked)
+        return _constrained(params, self.shardings)
+
+    def write(self, grads):
+        """Gradients of the copy -> the state's layout, the replicas' gradients added: the one
+        reduction over the replica axes of the stacked params' gradients."""
+        grads = jax.tree.map(lambda g, s: jnp.sum(g, axis=0) if s else g, grads, self.stacked)
+        return _constrained(grads, self.stored)
 
 
 def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, stored):
@@ -48,7 +73,19 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
     dtypes = nnx.to_pure_dict(jax.tree.map(
         lambda v: v.replace(jnp.float32 if v.get_metadata().get("compute_float32") else compute),
         abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored)
+    # no replicas under precision.fp8: a tensorwise amax and a blockwise weight-gradient
+    # tile would then span a group's rows, not the batch's, so the result would differ from
+    # zero3's
+    groups = () if cfg.precision.fp8 != "none" else tuple(
+        a for a in copy_groups(cfg.mesh.rules, cfg.mesh.weights, dcn) if mesh.shape[a] > 1)
+    replicas = math.prod(mesh.shape[a] for a in groups)
+    # stacked: a leading dim beyond the param's own axes (param_axes calls it "layers")
+    stacked = nnx.to_pure_dict(jax.tree.map(
+        lambda v: v.replace(replicas > 1 and param_axes(v)[:1] == ("layers",)),
+        abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    copy = jax.tree.map(lambda c, s: NamedSharding(mesh, P(groups, *c.spec)) if s else c,
+                        copy, stacked)
+    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas)
 
 
 # microbatch metrics summed into the step's under gradient accumulation (accumulated)
@@ -92,17 +129,17 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | Non
     parallel axes, so each device sums its own rows' partial gradients and one reduction per
     step (all-reduce or reduce-scatter, in the compute dtype) brings them to the state's layout.
     XLA:GPU hoists that reduction out of the accumulation loop (its while-loop all-reduce code
-    motion); XLA:CPU does not, so a CPU plan counts it once per microbatch."""
+    motion); XLA:CPU does not, so a CPU plan counts it once per microbatch. The stacked
+    params' gradients, one per replica (ComputeCopy.read), are never reduced over the replica
+    axes in the loop on either compiler: their replicas are added after it, in float32."""
     gradients = _gradients(cfg, graphdef, micro_spec, copy)
     if copy is None:
         return gradients
 
     def on_copy(params, batch, buffers, scale_state):
-        params = _constrained(jax.tree.map(lambda p, t: p.astype(t), params, copy.dtypes),
-                              copy.shardings)
-        with compute_copy(copy.weights, copy.dcn):
-            grads, metrics = gradients(params, batch, buffers, scale_state)
-        return _constrained(grads, copy.stored), metrics
+        with compute_copy(copy.weights, copy.dcn, copy.groups):
+            grads, metrics = gradients(copy.read(params), batch, buffers, scale_state)
+        return copy.write(grads), metrics
 
     return on_copy
 

@@ -143,3 +143,27 @@ def test_checkpoint_saved_under_zero3_resumes_under_zero1(tmp_path):
     np.testing.assert_allclose(m1["loss"], m3["loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s3["params"]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_zero1_copy_holds_a_replica_of_each_stack_per_data_parallel_group():
+    """The copy of a stacked param is [G, L, ...], G = data x fsdp groups, split over them
+    (parallel/replicas.py runs the stacks over the replicas); the other params are not."""
+    cfg, origins = small_config(*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "mesh.weights=zero1")
+    sizes = validate(cfg, 8, origins)
+    mesh = make_mesh(sizes, jax.devices()[:8])
+    copy = state_layout(cfg, mesh).compute
+    assert copy.replicas == 4
+    stacked = jax.tree.leaves(copy.stacked)
+    assert any(stacked) and not all(stacked)  # the layer stacks; the embedding, head, norm
+    for s, sharding in zip(stacked, jax.tree.leaves(copy.shardings), strict=True):
+        assert (tuple(sharding.spec)[:1] == (("data", "fsdp"),)) == s
+
+
+def test_zero1_copy_holds_no_replicas_under_fp8():
+    """precision.fp8: the copy holds no replicas (a tensorwise amax or a blockwise
+    weight-gradient tile would span one group's rows, and the step would differ from zero3's)."""
+    overrides = [*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "mesh.weights=zero1"]
+    cfg, origins = small_config(*overrides, "precision.fp8=blockwise")
+    sizes = validate(cfg, 8, origins)
+    copy = state_layout(cfg, make_mesh(sizes, jax.devices()[:8])).compute
+    assert copy.replicas == 1 and copy.groups == () and not any(jax.tree.leaves(copy.stacked))

@@ -1,0 +1,53 @@
+"""A layer stack run on one weight replica per data-parallel device group (mesh.weights zero1
+and hsdp): why the layer scans reduce no weight gradient over those axes.
+
+On a compute copy replicated over the data-parallel axes, every layer reads the same weights
+on every device while the rows are split over those axes, so each layer's weight gradient is
+a partial sum per device: XLA all-reduces it inside the layer scan, at every layer and
+microbatch, and the MoE shard_map's transpose psums the routed experts' there too. Instead the
+copy holds one replica of each stacked param per group of those axes ([G, L, ...], split over
+them: train/gradients.py ComputeCopy, sharding.copy_groups), and the stack runs under jax.vmap
+over the replicas with spmd_axis_name, as the pipeline's vmap over stages: group g runs its own
+rows on its own replica, so that replica's gradient is summed over the group's rows alone. The
+replicas' gradients are added once per step, after the accumulation loop.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from maxmoe.parallel.row_groups import combine_stacked, kept_aux
+from maxmoe.sharding import shard, within_replicas
+
+
+def on_replicas(run, state, x, segment_ids, positions, axes: tuple[str, ...]):
+    """run(state, x, segment_ids, positions) -> (x, aux [L, ...]) (a layer scan, or the
+    pipeline) run once per replica of the stacked params in `state`, each on its own rows.
+
+    state: a stack's variables, its params the compute copy's replicas [G, L, ...] (G groups
+    of mesh `axes`, sharding.replica_axes), its buffers (e.g. the router bias) [L, ...], read
+    alike by every group; x, segment_ids, positions [B, ...] split over the batch axes, `axes`
+    major among them. Returns (x [B, ...], aux combined over the groups as over row groups:
+    row_groups.combine_stacked of kept_aux, per-token entries dropped)."""
+    g = next(v.get_value().shape[0] for v in jax.tree.leaves(
+        state, is_leaf=lambda v: isinstance(v, nnx.Variable)) if isinstance(v, nnx.Param))
+
+    def replicas(var):  # the params are the copy's replicas; a buffer is read by every group
+        if isinstance(var, nnx.Param):
+            return var
+        return var.replace(jnp.broadcast_to(var.get_value(), (g, *var.get_value().shape)))
+
+    def groups(a):  # [B, ...] -> [G, B/G, ...]: each group its block of rows, where it lies
+        return a.reshape(g, a.shape[0] // g, *a.shape[1:])
+
+    def one(replica, h, seg, pos):
+        h, aux = run(replica, h, seg, pos)
+        return h, kept_aux(aux)
+
+    state = jax.tree.map(replicas, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    with within_replicas(axes):
+        y, aux = jax.vmap(one, spmd_axis_name=axes if len(axes) > 1 else axes[0])(
+            state, groups(x), groups(segment_ids), groups(positions))
+    return shard(y.reshape(x.shape), ("batch", "seq", "act_embed")), combine_stacked(aux)
