@@ -115,6 +115,8 @@ def describe_transport(cfg: Config, mesh_sizes: dict[str, int]) -> str | None:
         if how in ("all_to_all", "two_level") else "")
     if how == "two_level":
         extra += f", {moe.expert_hosts or hosts} hosts x {ep // (moe.expert_hosts or hosts)}"
+    if moe.overlap_chunks > 1:
+        extra += f", {moe.overlap_chunks} token chunks (one's exchanges under another's GEMMs)"
     return f"moe dispatch: dropless, transport {how} over {ep} expert shards ({why}){extra}"
 
 
