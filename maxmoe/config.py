@@ -102,6 +102,7 @@ class MoEConfig:
     transport: str = "auto"  # dropless over an expert axis: all_gather | all_to_all | two_level | auto (parallel/dispatch.py)
     transport_buffer_factor: float = 1.5  # all_to_all: c, slots per (source, dest) pair = ceil(c T K / ep)
     transport_rounds: int = 0  # all_to_all/two_level: static exchange rounds; 0 = enough for any routing (dropless); N = N rounds, the overflow dropped and counted (dropped_fraction)
+    overlap_chunks: int = 1  # dropless over an expert axis: each device's tokens in N independent chunks, so one chunk's dispatch/combine can run under another's expert GEMMs (XLA:GPU's scheduler); N > 1 wants moe.transport_rounds=1 (a rounds loop hides its collectives)
     expert_hosts: int = 0  # two_level: hosts the expert axis spans (hop 1 across them); 0 = mesh.dcn_expert
     router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3, with a selection bias)
     num_groups: int = 1  # experts form this many contiguous groups (DeepSeek n_group)

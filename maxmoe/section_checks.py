@@ -119,6 +119,11 @@ def check_moe(e: MoEConfig, need: Need) -> None:
          "use e.g. 1.5 (more slots per round: fewer rounds, bigger buffers)")
     need(e.transport_rounds >= 0, "moe.transport_rounds", "must be >= 0",
          "use 0 (enough rounds for any routing, nothing dropped) or a round count")
+    need(e.overlap_chunks >= 1, "moe.overlap_chunks", "must be >= 1",
+         "use 1 (one exchange per layer) or 2 (two token chunks, overlapped)")
+    need(e.overlap_chunks == 1 or e.dispatch == "dropless", "moe.overlap_chunks",
+         "moe.dispatch=capacity counts its slots per sequence, not per chunk",
+         "set moe.overlap_chunks=1 or moe.dispatch=dropless")
     need(e.drop_policy in ("position", "probability"), "moe.drop_policy", "unknown policy",
          "use position or probability")
     need(e.router in ("softmax", "sigmoid"), "moe.router", "unknown router",

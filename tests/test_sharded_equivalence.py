@@ -44,7 +44,7 @@ from flax import nnx
 
 from maxmoe.model.spec import layer_groups
 from maxmoe.model.transformer import build_model
-from maxmoe.parallel import capacity
+from maxmoe.parallel import capacity, dispatch
 from maxmoe.parallel.pipeline import num_stages
 from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.sharding import make_mesh, named, state_shardings, use_mesh
@@ -124,6 +124,22 @@ MLA_LAYOUTS = {
 # expert 4, the expert axis 2 hosts x 2 devices, 4 microbatches
 PIPELINE_TWO_LEVEL = ["mesh.pipeline=2", "mesh.expert=4", "mesh.data=1",
                       "model.pipeline_microbatches=4", *TWO_LEVEL]
+# moe.overlap_chunks=2: each device's tokens dispatched in two independent chunks (so XLA:GPU can
+# run one chunk's exchanges under the other's GEMMs), against the one-chunk reference. The one-
+# round row is the layout the overlap wants (moe.transport_rounds=1, no rounds loop), with a
+# buffer factor at which nothing drops; the others take the dropless rounds, the pipeline's vmap
+# and two_level's hops
+CHUNKS = ["moe.overlap_chunks=2"]
+ONE_ROUND = ["moe.transport_rounds=1", "moe.transport_buffer_factor=4.0"]
+CHUNKED_LAYOUTS = {  # name: (REFERENCES key, overrides)
+    "expert8_all_to_all_one_round": ("plain", LAYOUTS["expert8"] + DISPATCH["all_to_all"]
+                                     + ONE_ROUND + CHUNKS),
+    "data2_fsdp2_expert2_all_to_all": ("plain", LAYOUTS["data2_fsdp2_expert2"]
+                                       + DISPATCH["all_to_all"] + CHUNKS),
+    "pipeline2_expert2_fsdp2_gpipe4_all_to_all": ("pipeline", PIPELINE + PIPELINE_LAYOUTS[
+        "pipeline2_expert2_fsdp2_gpipe4"] + DISPATCH["all_to_all"] + CHUNKS),
+    "mla_expert8_two_level": ("mla", MLA + MLA_LAYOUTS["expert8_two_level"] + CHUNKS),
+}
 # all four axes at once need 2 x 2 x 2 x 2 = 16 devices: run in a process of its own
 SIXTEEN = ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.fsdp=2"]
 REFERENCES = {"plain": [], "pipeline": PIPELINE, "drops": DROPS, "drops_by_weight": DROPS_BY_WEIGHT,
@@ -269,6 +285,21 @@ def test_two_level_under_the_pipeline_matches_single_device(references):
     routing and every router loss on."""
     cfg, origins = check(PIPELINE + MLA + PIPELINE_TWO_LEVEL, references("mla_pipeline"))
     assert_pipelined(cfg, origins)
+
+
+@pytest.mark.parametrize("name", list(CHUNKED_LAYOUTS))
+def test_chunked_overlap_matches_single_device(name, references, monkeypatch):
+    """moe.overlap_chunks=2 (parallel/dispatch.Chunked): the same loss, metrics and gradients
+    as one device with one chunk, at the table's tolerances; the chunks really ran."""
+    ref_name, overrides = CHUNKED_LAYOUTS[name]
+    reference = references(ref_name)  # one chunk: built before Chunked is watched
+    calls, chunked = [], dispatch.Chunked.__call__
+    monkeypatch.setattr(dispatch.Chunked, "__call__",
+                        lambda self, *a: calls.append(self.chunks) or chunked(self, *a))
+    cfg, origins = check(overrides, reference)
+    assert calls and set(calls) == {2}
+    if cfg.mesh.pipeline > 1:
+        assert_pipelined(cfg, origins)
 
 
 def first_loss(overrides, batch, num_devices: int):

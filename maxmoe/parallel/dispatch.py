@@ -26,6 +26,8 @@ called inside parallel/experts.py's `shard_map` body (or without a mesh, with no
   the host; the cross-host rows are at most T x groups_per_token instead of T K.
 - `Capacity` (may drop): GShard/Switch slot buffers per expert, one all-to-all each way
   (parallel/capacity.py).
+- `Chunked` (moe.overlap_chunks): a dropless dispatcher run on independent token chunks, so
+  that XLA:GPU overlaps one chunk's exchanges with another's expert GEMMs.
 
 The rounds of AllToAll (slots, exchange, combine, their custom VJP) are parallel/all_to_all.py.
 Under precision.fp8 (`Dispatcher.fp8`, either mode) every dispatcher sends the tokens in E4M3
@@ -113,6 +115,8 @@ def describe_transport(cfg: Config, mesh_sizes: dict[str, int]) -> str | None:
         if how in ("all_to_all", "two_level") else "")
     if how == "two_level":
         extra += f", {moe.expert_hosts or hosts} hosts x {ep // (moe.expert_hosts or hosts)}"
+    if moe.overlap_chunks > 1:
+        extra += f", {moe.overlap_chunks} token chunks (one's exchanges under another's GEMMs)"
     return f"moe dispatch: dropless, transport {how} over {ep} expert shards ({why}){extra}"
 
 
@@ -246,4 +250,27 @@ class AllToAll(Dispatcher):
         y = exchange_rounds(route, x, weights.reshape(-1), w_gate, w_up, w_down, *routing)
         return Dispatched(y, dropped, needed.astype(jnp.int32))
 
+
+class Chunked(Dispatcher):
+    """moe.overlap_chunks n > 1: the device's T rows in n contiguous chunks (jnp.array_split), each
+    dispatched, run and combined by `inner` on its own, the outputs concatenated (dropped
+    summed, rounds the max). The chunks' exchanges share no data, so XLA:GPU's latency-hiding
+    scheduler can run one chunk's dispatch or combine under another chunk's expert GEMMs: the
+    overlap DualPipe and Megatron-Core's 1F1B A2A overlap get from two micro-batches, inside one
+    MoE layer. A dropless inner gives the same outputs as one chunk (a row's output depends on
+    its own assignments only); what differs per chunk: the slots per pair (cap) and, under
+    moe.transport_rounds N, the overflow dropped; a tensorwise FP8 amax spans one chunk.
+    """
+
+    def __init__(self, inner: Dispatcher, chunks: int):  # inner's fp8 and amax already set
+        super().__init__(inner.cfg, inner.shards)
+        self.inner, self.chunks = inner, chunks
+
+    def __call__(self, x, expert_idx, weights, w_gate, w_up, w_down) -> Dispatched:
+        x = x.reshape(-1, x.shape[-1])
+        n = min(self.chunks, x.shape[0])  # rows not a multiple of n: the first chunks 1 longer
+        parts = [self.inner(*rows, w_gate, w_up, w_down) for rows in zip(
+            *(jnp.array_split(a, n) for a in (x, expert_idx, weights)), strict=True)]
+        return Dispatched(jnp.concatenate([p.y for p in parts]), sum(p.dropped for p in parts),
+                          functools.reduce(jnp.maximum, [p.rounds for p in parts]))
 

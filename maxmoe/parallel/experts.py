@@ -19,6 +19,8 @@ shard_map and hands the tokens to a dispatcher (parallel/dispatch.py, one class 
   expert axis; slots counted per sequence, the overflow dropped.
 
 All return (y [B, S, D], stats: dropped fraction of (token, k) assignments, exchange rounds).
+moe.overlap_chunks N > 1 runs the dropless dispatcher on N independent token chunks of each
+device's rows (`Chunked`), so XLA:GPU can schedule one chunk's exchanges under another's GEMMs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from maxmoe.parallel.capacity import Capacity
 from maxmoe.parallel.dispatch import (
     AllGather,
     AllToAll,
+    Chunked,
     Dispatcher,
     ExpertShards,
     choose_transport,
@@ -83,6 +86,8 @@ def routed_experts(x, expert_idx, weights, w_gate, w_up, w_down, cfg: MoEConfig,
     # a tensorwise amax spans every axis but the pipeline's (tokens over the batch axes, experts
     # over the expert axes, the hidden's F over the tensor axes); a weight's, its F split
     dispatcher.fp8, dispatcher.amax = fp8, AmaxAxes(rows=shards.sync, weights=tp)
+    if cfg.overlap_chunks > 1:  # chunks whose exchanges overlap each other's GEMMs
+        dispatcher = Chunked(dispatcher, cfg.overlap_chunks)
     replicated = tuple(a for a in ep if a not in batch)  # tokens already present everywhere
     tok = P(batch or None, None, None)
     wspec_in = P(ep or None, None, tp or None)

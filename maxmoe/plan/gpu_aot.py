@@ -21,7 +21,7 @@ from jax.experimental import topologies
 from maxmoe.bench import memory_analysis
 from maxmoe.cluster import gpu_target, known_kinds
 from maxmoe.config import ConfigError
-from maxmoe.plan.hlo import attr, known_trip_count, parse_instruction
+from maxmoe.plan.hlo import attr, known_trip_count, parse_instruction, parse_module
 
 # Per-SM limits of the SM90 (Hopper) and SM100 (Blackwell) targets: the same figures in XLA's own
 # h100_sxm, h200 and b200 specs (openxla/xla xla/backends/gpu/target_config/specs/): 228 KiB
@@ -180,3 +180,35 @@ def unknown_trip_loops(hlo_text: str) -> list[str]:
             name = re.search(r'op_name="([^"]*)"', op)
             found.append(f"{ins.name} ({name.group(1) if name else 'no op_name'})")
     return sorted(found)
+
+
+# the MoE grouped GEMM's scope (kernels/grouped_matmul.py): the expert compute an exchange of
+# another token chunk can hide under (moe.overlap_chunks)
+_GROUPED_SCOPE = "grouped_matmul"
+
+
+def ragged_exchanges(hlo_text: str) -> list[dict]:
+    """Each ragged all-to-all of scheduled XLA:GPU HLO, in schedule order: {"name", "async" (a
+    start/done pair not marked is_sync), "ops_between" (instructions with device work scheduled
+    strictly between its start and done: fusions, custom calls, other collectives' starts),
+    "gemms_between" (those of them in the MoE grouped GEMM's scope)}. A synchronous one has
+    nothing between it and its result, so it runs exposed (plan/overlap.py)."""
+    found = []
+    for instrs in parse_module(hlo_text)[0].values():
+        open_ = {}
+        for ins in instrs:
+            if ins.opcode == "ragged-all-to-all":
+                found.append({"name": ins.name, "async": False, "ops_between": 0,
+                              "gemms_between": 0})
+            elif ins.opcode == "ragged-all-to-all-start":
+                row = {"name": ins.name, "async": '"is_sync":true' not in ins.attrs,
+                       "ops_between": 0, "gemms_between": 0}
+                found.append(row)
+                open_[ins.name] = row
+            elif ins.opcode == "ragged-all-to-all-done":
+                open_.pop(ins.operands[0].split()[-1].lstrip("%"), None)
+            elif ins.opcode in ("fusion", "custom-call") or ins.opcode.endswith("-start"):
+                for row in open_.values():
+                    row["ops_between"] += 1
+                    row["gemms_between"] += _GROUPED_SCOPE in (attr(ins.attrs, "metadata") or "")
+    return found

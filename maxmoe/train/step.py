@@ -37,6 +37,13 @@ from maxmoe.train.guards import StepGuard, select
 from maxmoe.train.optimizer import learning_rate_schedule, make_optimizer
 from maxmoe.train.precision import make_loss_scaler
 
+# XLA:GPU's options for the train step, the one place they are set (the real run and the
+# planner's deviceless compile alike). The latency-hiding scheduler is off by default in jaxlib
+# 0.12's XLA:GPU: without it every collective with nothing scheduled between its start and done
+# is made synchronous, the ragged all-to-alls and the weight gathers included, so no
+# communication runs under compute (docs: parallelism, "Communication under compute")
+XLA_GPU_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
 
@@ -137,8 +144,10 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         return wrapped
 
     init = run_in_mesh(jax.jit(layout.init_state, out_shardings=shardings))
+    gpu = mesh.devices.flat[0].platform == "gpu"
     jitted_step = jax.jit(train_step, in_shardings=(shardings, batch_sharding),
-                          out_shardings=(shardings, replicated), donate_argnums=0)
+                          out_shardings=(shardings, replicated), donate_argnums=0,
+                          compiler_options=XLA_GPU_OPTIONS if gpu else None)
     step = run_in_mesh(jitted_step)
     return Trainer(graphdef, optimizer, shardings, batch_sharding, init, step, layout.abstract,
                    mesh, rules, jitted_step)

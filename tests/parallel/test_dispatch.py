@@ -169,7 +169,9 @@ def test_start_up_line_names_the_choice():
     (["moe.transport=ragged"], "moe.transport.*unknown transport"),
     (["moe.transport=all_to_all", "moe.dispatch=capacity"], "moe.transport.*capacity"),
     (["moe.transport_buffer_factor=0"], "moe.transport_buffer_factor.*> 0"),
-    (["moe.transport_rounds=-1"], "moe.transport_rounds.*>= 0; use 0")])
+    (["moe.transport_rounds=-1"], "moe.transport_rounds.*>= 0; use 0"),
+    (["moe.overlap_chunks=0"], "moe.overlap_chunks.*>= 1; use 1"),
+    (["moe.overlap_chunks=2", "moe.dispatch=capacity"], "moe.overlap_chunks.*capacity")])
 def test_bad_transport_settings_name_key_and_fix(overrides, message):
     cfg, origins = small_config(*overrides)
     with pytest.raises(ConfigError, match=message):
