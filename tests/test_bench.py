@@ -31,6 +31,9 @@ from tests.helpers import small_config
 
 
 def test_op_names_and_matmuls_from_hlo_text():
+    """From HLO text: the collective instructions (sync and async start), each instruction's
+    op_name metadata (empty where none), the matmuls (a dot, or a fusion calling one) and the
+    model part each op_name falls in."""
     hlo = """
 %fused_computation.1 (p: f32[4,4]) -> f32[4,4] {
   %p = f32[4,4]{1,0} parameter(0)
@@ -91,6 +94,10 @@ def test_profile_traces_steps_the_loop_does_not_log():
 
 
 def test_bench_figures_and_profile_breakdown(tmp_path):
+    """benchmark() on 8 fake CPU devices: its figures agree with their definitions (tokens/s,
+    model FLOPs, MFU against the measured CPU peak), and --profile attributes the traced steps
+    to every named model part, forward and backward, with shares summing to 1 and part times
+    between 0.5x and 1.1x the traced steps' wall time."""
     cfg, origins = small_config("model.remat_policy=none")
     sizes = validate(cfg, 8, origins)
     r = benchmark(cfg, sizes, steps=2, warmup=1, profile_dir=str(tmp_path / "trace"))

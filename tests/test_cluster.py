@@ -72,6 +72,9 @@ def test_cluster_file_override_wins_over_the_kind(tmp_path):
 
 
 def test_spec_forms_and_the_current_directorys_configs(tmp_path, monkeypatch):
+    """A --cluster spec may be a file name with or without .yaml, NxKIND (any case; fewer
+    devices than a host is one host) or a path; configs/cluster/ in the working directory is
+    searched too, and the package's files are still found."""
     assert load_cluster("deepseek_v3_h800.yaml") == load_cluster("deepseek_v3_h800")
     assert load_cluster("8xH200").kind == "h200"
     assert load_cluster("1xh200").hosts == 1  # part of one host

@@ -211,9 +211,11 @@ SLACK = 32 * 2**20
 
 @pytest.mark.slow
 def test_peak_rss_is_one_tensor_and_a_few_chunks_not_the_model(tmp_path):
-    """A 172 MB bf16 checkpoint (343 MB as float32 params; main's whole-model path peaks about
-    350 MiB above the fixed cost, over this bound:
-    docs/performance/checkpoints-and-hugging-face.md)."""
+    """Converting a random hub checkpoint (tiny_deepseek_v3 widened, 100 MiB shards) with
+    --chunk-mb 4: the child's peak RSS above its fixed cost stays under the largest tensor + 8
+    chunks + 32 MiB, while the float32 model is over 3x that bound, so a conversion that held
+    the whole model fails. Measured RSS, and the whole-model path's:
+    docs/performance/checkpoints-and-hugging-face.md."""
     cfg, _ = load_config([str(ROOT / "configs" / "models" / "tiny_deepseek_v3.yaml")], [
         "model.hidden_size=512", "model.vocab_size=16384", "moe.num_experts=16",
         "moe.expert_mlp_size=512", "model.dense_mlp_size=1024"])

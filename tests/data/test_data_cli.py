@@ -24,6 +24,11 @@ def corpus(tmp_path_factory):
 
 
 def test_tokenizer_then_prepare(corpus, tmp_path, capsys):
+    """`data tokenizer` then `data prepare` over 2 JSONL files: the reports count what was read,
+    dropped and skipped (malformed line named by file and line); the manifest lists 150
+    documents and one shard set per task that kept any; rerunning finds every task done and
+    changes nothing; other settings into the same folder are one line, exit 2, the shards left
+    alone."""
     tokenizer = tmp_path / "tokenizer"
     assert main(["data", "tokenizer", str(corpus), "--vocab-size", "300", "--out",
                  str(tokenizer), "--json-field", "content"]) == 0

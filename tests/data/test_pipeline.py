@@ -76,6 +76,9 @@ def _assert_same(a, b):
 
 
 def test_listing_sorted_absolute_and_clear_error(text_corpus, tmp_path):
+    """A corpus glob lists every document as a sorted absolute path; a glob that matches nothing
+    is a ValueError saying so; a file that is not UTF-8 or is missing reads as None (skipped),
+    not an error."""
     root, texts = text_corpus
     paths = corpus.list_documents(str(root / "**" / "*.txt"))
     assert paths == sorted(paths) and all(os.path.isabs(p) for p in paths)
@@ -153,6 +156,11 @@ def test_stdlib_tokenizer_round_trip_and_batches(tmp_path, monkeypatch):
 
 
 def test_packing_invariants(text_setup):
+    """Every packed row: padding only at its end, segment ids counting up from 1 by at most 1,
+    positions restarting at 0 in each document, loss_mask = (target != 0) and 0 on padding and
+    at each EOS (no prediction across documents), targets = the next token inside a document and
+    the next row's first token where a document runs off the row; the rows decode to
+    training-split documents only, over 80% of them in one epoch."""
     cfg, tokenizer, texts = text_setup
     batches = _take(make_dataset(cfg, tokenizer, num_epochs=1))
     assert len(batches) > 10
@@ -181,6 +189,10 @@ def test_packing_invariants(text_setup):
 
 
 def test_shapes_seed_and_epochs(text_setup):
+    """Batches have batch_spec's shapes and dtypes for 1 and 2 processes; the same seed gives
+    the same batches and another seed other ones; of two epochs the first holds every training
+    document and the second (over 80% of them) comes in another order; a batch that does not
+    split over 3 processes is a ConfigError naming global_batch_size."""
     cfg, tokenizer, texts = text_setup
     for process_count in (1, 2):
         batch = _take(make_dataset(cfg, tokenizer, process_count=process_count), 1)[0]
@@ -286,6 +298,9 @@ def test_global_batch_independent_of_process_count(text_setup, processes, stream
 
 
 def test_validation_finite_padded_and_disjoint(text_setup):
+    """The validation split is finite (one pass, every validation document exactly once),
+    disjoint from the training documents, [4, 32] per batch, and its last batch is padded
+    (loss_mask not all ones)."""
     cfg, tokenizer, texts = text_setup
     batches = _take(make_dataset(cfg, tokenizer, split="validation"))
     assert batches and all(b["tokens"].shape == (4, 32) for b in batches)

@@ -17,6 +17,8 @@ def test_single_process_joins_nothing():
 
 
 def test_explicit_settings_win():
+    """MAXMOE_* variables override what SLURM says (and the source names both), and
+    distributed.* config settings override the environment."""
     env = {"MAXMOE_COORDINATOR": "10.0.0.1:1234", "MAXMOE_NUM_PROCESSES": "4",
            "MAXMOE_PROCESS_ID": "3", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "2",
            "SLURM_PROCID": "1", "SLURM_JOB_NODELIST": "n[1-2]"}
@@ -28,6 +30,10 @@ def test_explicit_settings_win():
 
 
 def test_slurm_open_mpi_kubernetes():
+    """Membership (coordinator, process count, process id, source) read from SLURM (first host
+    of a bracketed nodelist, port from the job id), Open MPI (first address of the HNP URI, port
+    from its job id), a Kubernetes JobSet (pod 0's DNS name) and an indexed Job
+    (JOB_COMPLETION_INDEX)."""
     slurm = {"SLURM_JOB_ID": "4100", "SLURM_NTASKS": "16", "SLURM_PROCID": "5",
              "SLURM_JOB_NODELIST": "gpu[007-010,12],cpu1"}
     assert detect(NONE, slurm) == Membership(f"gpu007:{61440 + 4100 % 4096}", 16, 5, "SLURM")

@@ -442,6 +442,8 @@ def test_every_dispatcher_runs_fp8_and_matches_one_device(dispatch, mode):
 
 
 def test_fp8_validation_errors():
+    """precision.fp8 with float16 compute and an unknown FP8 mode are ConfigErrors naming the
+    key, the value and the fix."""
     cfg, origins = small_config("precision.compute_dtype=float16", "precision.fp8=blockwise")
     with pytest.raises(ConfigError, match="precision.fp8.*float16.*; set precision"):
         validate(cfg, 1, origins)

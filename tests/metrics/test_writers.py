@@ -74,6 +74,10 @@ def test_jsonl_keeps_arrays_as_nested_lists_and_nonfinite_as_null(tmp_path):
 
 
 def test_tensorboard_tags_of_every_contract_shape(tmp_path):
+    """Every shape in the metrics contract reaches TensorBoard, read back from the event file:
+    scalars as scalars (float32, rel 1e-6), per-layer arrays as one scalar tag per layer, expert
+    loads and router biases as per-layer histograms, the load matrix as a heatmap image;
+    non-finite values and text are left out and the sink does not fail."""
     record = contract_record(np.random.default_rng(1))
     sink = Background(TensorBoardWriter(tmp_path / "tb"), "tensorboard")
     for step in (10, 20):
@@ -164,6 +168,9 @@ def test_plain_lines_show_tokens_and_an_eta(capsys, monkeypatch):
 
 
 def test_progress_metrics_on_one_cpu_process():
+    """On one CPU process the progress metrics are the tokens seen (step x tokens a step) alone:
+    no device memory statistics, and the per-process step times are this process's own, not
+    gathered."""
     out = progress_metrics(7, 512, 0.25)
     assert out == {"tokens_seen": 3584}  # no memory statistics on CPU; one process: no gather
     assert progress_mod.step_times_by_process(0.25) == [0.25]
@@ -171,6 +178,8 @@ def test_progress_metrics_on_one_cpu_process():
 
 
 def test_wandb_config_errors(monkeypatch):
+    """W&B settings are checked only when a project is set: an unknown logging.wandb_mode and a
+    missing wandb package are ConfigErrors naming the key or the pip command."""
     check_wandb(LoggingConfig())  # off: nothing checked
     with pytest.raises(ConfigError, match=r"logging.wandb_mode.*unknown mode"):
         check_wandb(LoggingConfig(wandb_project="p", wandb_mode="sometimes"))

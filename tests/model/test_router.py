@@ -1,8 +1,9 @@
 """Routing under a mesh: the same choices as one device, computed where the tokens are.
 
 XLA's SPMD partitioner does not split a sort by batch, so a plain `lax.top_k` on batch-sharded
-router scores gathered the global batch onto every device (4 x 8 GiB at 671B on 2048 devices,
-issue 24's plan). `router.local_top_k` keeps it per batch shard."""
+router scores gathered the global batch onto every device (at 671B on 2048 devices among the
+plan's largest buffers: docs/performance/gpu.md). `router.local_top_k` keeps it per batch
+shard."""
 
 import re
 

@@ -2,8 +2,9 @@
 
 Differentiating the scan over pipeline iterations keeps, for the backward, whatever each
 iteration computed from its loop index: the weights each stage picked for its pass. Kept per
-iteration, that is iterations x one stage's weights (13B on 8 stages: 243 GiB of temporaries,
-docs/performance/parallelism.md "Pipeline memory at scale"); per-iteration remat keeps only the stage inputs.
+iteration, that is iterations x one stage's weights; per-iteration remat keeps only the stage
+inputs. What this cost at 13B and 671B: docs/performance/parallelism.md, "Pipeline memory at
+scale".
 """
 
 import math
@@ -43,13 +44,15 @@ def _temps_and_stage_bytes(*overrides: str) -> tuple[int, int, int]:
 
 
 # the circular schedule alone (33 iterations): gpipe runs the same per-iteration stage pass
-# (measured 20.4x -> 4.1x there), and each case is a ~70 s compile on 2 loaded cores
+# (its figures: docs/performance/parallelism.md), and each case is a long CPU compile
 @pytest.mark.parametrize("layout", [
     ["mesh.pipeline=2", "model.pipeline_schedule=circular", "model.num_layers=5"]])
 def test_pipelined_temporaries_stay_within_a_few_stage_weights(layout):
-    """Bound: 6 x one stage's f32 weights (its gathered copy, bf16 casts, the f32 gradient and
-    the update's temporaries: about 4.1 x measured), far below one copy per iteration (17 or 33
-    iterations; 20 x measured before per-iteration remat)."""
+    """Property: temporaries < 6 x one stage's f32 weights (room for its gathered copy, bf16
+    casts, the f32 gradient and the update's temporaries), far below one copy per iteration
+    (33 here), so a step that keeps the weights per iteration fails it. Measured multiples, with
+    and without per-iteration remat: docs/performance/parallelism.md, "Pipeline memory at
+    scale"."""
     temps, stage_bytes, iterations = _temps_and_stage_bytes(*layout)
     assert iterations >= 17
     assert temps < 6 * stage_bytes, (temps / stage_bytes, temps, stage_bytes)

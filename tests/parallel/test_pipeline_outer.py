@@ -4,10 +4,9 @@ The embedding, the dense prefix, the final norm + LM head + loss and MTP run out
 pipeline. With the stage axis among the batch axes there (config.DEFAULT_RULES) each stage does
 1/P of that work on 1/P of the rows; inside, `sharding.within_stages` takes the stage axes out
 of "batch" again, so the stages see their microbatch rows as before. Before, every stage ran the
-whole batch's outside work: the 671B and 13B pipelined plans missed their memory targets by
-10x on those buffers (docs/performance/parallelism.md, "Pipeline memory at scale"). The compiled step's
-temporaries against the old rules: tests/parallel/test_pipeline.py, which compiles that layout
-once for its replication check too.
+whole batch's outside work (the plans' figures: docs/performance/parallelism.md, "Pipeline
+memory at scale"). The compiled step's temporaries against the old rules are checked in
+tests/parallel/test_pipeline.py, which compiles that layout once for its replication check too.
 """
 
 import jax

@@ -4,10 +4,10 @@ compute) do not lose accuracy with the number of dispatch rounds.
 Worst-case routing: every token to experts 0 and 1 (shards 0 and 1 of 8), with
 moe.transport_buffer_factor 1/16 so each pair needs 64 rounds. Reference: the same bf16 inputs
 upcast to float32 on one device (`dropless_local`, no rounds). Error: max |dW - ref| / max |ref|
-per weight. Bound: at 64 rounds within 1.25x (+1e-4) of the same transport's one-round error
-(the bf16 floor of the matmuls themselves, observed 3.2e-3 to 4.6e-3) and below 6e-3. Summed in
-bf16 over the rounds, the 64-round error was 1.0e-2 / 1.2e-2 / 1.7e-2 (w_gate / w_up / w_down);
-summed in float32 it is 3.4e-3 / 3.2e-3 / 4.6e-3 (docs/performance/parallelism.md, Multi-round gradients).
+per weight. Property: at 64 rounds the error stays within 1.25x (+1e-4) of the same transport's
+one-round error (the bf16 floor of the matmuls themselves, held near 4e-3) and below 6e-3, which
+holds only if the rounds' gradients are summed in float32. Measured errors per round count, bf16
+against float32 sums: docs/performance/parallelism.md, "Multi-round gradients".
 """
 
 import functools

@@ -50,6 +50,8 @@ def test_psum_over_one_axis_is_an_all_reduce_on_that_axis():
 
 
 def test_all_gather_of_an_fsdp_sharded_weight():
+    """Replicating a [64, 32] float32 weight split 4 ways over fsdp is one all-gather on fsdp of
+    (4 - 1) / 4 x the full result's bytes, all on ICI (8 devices a host)."""
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
     w = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
     f = jax.jit(lambda w: w * 2.0, out_shardings=NamedSharding(mesh, P()))
@@ -76,6 +78,9 @@ def test_scan_multiplies_by_the_trip_count():
 @pytest.mark.parametrize("axes, n_over", [("c", "ici"), ("a", "dcn"), (("a", "b", "c"), "mix")])
 def test_ici_dcn_split_with_two_devices_per_host(axes, n_over):
     # hosts {0,1} {2,3} {4,5} {6,7}: "c" (stride 1) stays inside, "a" (stride 4) goes across
+    """Hosts of 2 devices: a psum over the stride-1 axis stays on ICI, over the stride-4 axis
+    goes wholly over DCN, and over all 8 devices splits the ring's bytes (g - 1) / (n - 1) = 1/7
+    ICI and 6/7 DCN."""
     mesh = _mesh()
     text = _hlo(lambda x: jax.lax.psum(x, axes), mesh,
                 P(*(None if a in axes else a for a in "abc")))
@@ -88,6 +93,9 @@ def test_ici_dcn_split_with_two_devices_per_host(axes, n_over):
 
 
 def test_replica_group_forms_parse():
+    """Each of HLO's replica_groups spellings (explicit lists, iota [G,S]<=[N], iota with a
+    transpose, the mesh[...] device_ids form, empty = all devices) reads to the same device
+    groups as written out by hand."""
     pairs = [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert replica_groups("replica_groups={{0,1},{2,3},{4,5},{6,7}}, x=1", 8) == pairs
     assert replica_groups("channel_id=1, replica_groups=[4,2]<=[8], dimensions={0}", 8) == pairs
@@ -102,6 +110,8 @@ def test_replica_group_forms_parse():
 
 
 def test_instruction_and_shape_parse():
+    """An HLO instruction line reads to its name, opcode and operands, and a tuple type's bytes
+    are the sum of its elements' (bf16 2 bytes, s32 4)."""
     ins = parse_instruction("  %a2a = (bf16[1,8,16]{2,1,0}, /*index=1*/s32[3]{0}) all-to-all("
                             "%p.1, %p.2), channel_id=1, replica_groups={{0,1}}")
     assert (ins.name, ins.opcode, ins.operands) == ("a2a", "all-to-all", ["%p.1", "%p.2"])
@@ -196,6 +206,9 @@ def test_a_loop_inside_the_rounds_body_counts_its_trips():
 
 @pytest.mark.slow
 def test_tiny_train_step_on_fsdp_expert_tensor():
+    """The compiled train step of the small model on fsdp 2 x expert 2 x tensor 2 (one host)
+    sends bytes over each of fsdp, expert and tensor, none over data or pipeline (size 1), and
+    nothing over DCN."""
     cfg, origins = small_config("mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2")
     setup = prepare_run(cfg, validate(cfg, 8, origins))
     trainer = setup.trainer

@@ -48,6 +48,9 @@ def test_ragged_all_to_all_compiles_for_gpu():
 
 
 def test_hosts_and_errors():
+    """Fake GPU devices are split evenly over num_hosts (process_index) and carry the kind's
+    CUDA device name; a host count that does not divide the devices, a kind without a gpu_target
+    and an unknown kind are ConfigErrors naming the problem."""
     devices = gpu_devices(8, "h100", num_hosts=2)
     assert [d.process_index for d in devices] == [0] * 4 + [1] * 4
     assert {d.device_kind for d in devices} == {"NVIDIA H100 80GB HBM3"}

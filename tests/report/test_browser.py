@@ -26,7 +26,8 @@ REQUIRED = os.environ.get("MAXMOE_REQUIRE_BROWSER") == "1"
 
 def colored_fraction(png: Path) -> float:
     """Share of pixels with a saturated color (max - min channel > 0.25): figures, not text
-    (measured: 4.5% for the synthetic run's page at 1280x4000, 0.01% with its figures out)."""
+    (the shares measured on the test's pages: docs/performance/observability.md, "Run
+    report")."""
     rgb = imread(png)[..., :3]
     return float(np.mean(rgb.max(axis=-1) - rgb.min(axis=-1) > 0.25))
 

@@ -45,6 +45,9 @@ def assert_same(restored, expected):
 
 
 def test_async_save_restores_state_and_iterator(tmp_path):
+    """An async save written while the train loop deletes the state and advances the iterator
+    restores the state as saved (values and shardings) and the iterator at the saved position
+    (its next batches equal those after the save)."""
     state, it = make_state(mesh((2, 4))), make_iterator()
     for _ in range(3):
         next(it)
@@ -74,6 +77,7 @@ def test_async_save_restores_state_and_iterator(tmp_path):
 
 
 def test_keeps_only_newest(tmp_path):
+    """checkpoint.keep=2 leaves only the 2 newest steps, in the checkpointer's list and on disk."""
     state = make_state(mesh((2, 4)))
     with Checkpointer(tmp_path, CheckpointConfig(every_steps=1, keep=2, async_save=False)) as ckpt:
         for step in range(1, 5):

@@ -69,6 +69,10 @@ def observe(cfg: GuardConfig, **metrics):
 
 
 def test_host_decisions():
+    """The host's reading of the step's guard flags: a clean step continues; a non-finite step
+    is skipped with a message naming the step, until max_consecutive_skips in a row stops the
+    run; a spike rolls back; a gradient norm over the ceiling and a loss scale at its minimum
+    stop the run naming the setting; large activation RMS and update ratios are logged."""
     cfg = GuardConfig(max_consecutive_skips=3, spike_action="rollback", max_rollbacks=1)
     assert observe(cfg, skipped=0)[0].action is Action.CONTINUE
     d, _ = observe(cfg, skipped=1, nonfinite=1, consecutive_skips=1)

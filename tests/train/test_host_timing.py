@@ -84,7 +84,7 @@ def test_short_windows_count_the_calling_thread():
         start = time.thread_time()
         work()
         costs.append(time.thread_time() - start)
-    least = min(costs)  # ~0.6 ms here; the work never takes less CPU than its fastest run
+    least = min(costs)  # the work never takes less CPU than its fastest run
     timing = HostTiming()
     for _ in range(20):
         work()  # no clock read in between, which would bring schedstat up to date

@@ -13,6 +13,8 @@ from maxmoe.validation import validate
 
 
 def test_constant_schedule_matches_optax_clip_by_global_norm():
+    """With a constant schedule the scheduled clip is optax.clip_by_global_norm: the same
+    clipped leaves (global norm sqrt(91) > 2, so the clip acts), rtol 1e-6."""
     grads = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.full((4,), -3.0)}
     ours = clip_by_scheduled_global_norm(optax.constant_schedule(2.0))
     got, _ = ours.update(grads, ours.init(grads))
@@ -44,6 +46,10 @@ def test_clip_takes_the_norm_the_step_passes_through_the_chain():
 
 
 def test_clip_norm_decays_linearly_then_holds():
+    """grad_clip_norm 1.0 falls linearly to grad_clip_end_norm 0.3 over grad_clip_decay_steps
+    10, then holds (the schedule's values, rtol 1e-6); a norm-20 gradient leaves the clip at
+    norm 1.0 on step 0 and 0.3 on step 10 (rtol 1e-5), falling strictly between.
+    grad_clip_norm 0 still builds an optimizer (no clipping)."""
     cfg = OptimizerConfig(grad_clip_norm=1.0, grad_clip_end_norm=0.3, grad_clip_decay_steps=10)
     schedule = clip_norm_schedule(cfg, total_steps=100)
     np.testing.assert_allclose([schedule(s) for s in (0, 5, 10, 50)], [1.0, 0.65, 0.3, 0.3],
@@ -62,6 +68,8 @@ def test_clip_norm_decays_linearly_then_holds():
 
 
 def test_bfloat16_first_moment():
+    """optimizer.moment_dtype=bfloat16 stores a 2-D param's first moment (mu) in bfloat16 and
+    keeps its second moment (nu) in float32."""
     params = {"w": jnp.ones((3, 2))}
     state = make_optimizer(OptimizerConfig(moment_dtype="bfloat16"), 10).init(params)
     dtypes = {jax.tree_util.keystr(p): x.dtype

@@ -167,11 +167,11 @@ def test_scaler_and_guard_state_survive_checkpoint_restore(fp16, tmp_path):
 
 @pytest.mark.slow
 def test_float16_and_bfloat16_follow_the_float32_loss_curve():
-    """50 steps at a peak LR of 1e-2 on a learnable sequence task; loss falls from 5.6 to
-    about 0.03 in float32.
-
-    Tolerance: every step within 0.05 nats of float32 and the mean of the last 10 steps
-    within 0.02 nats (observed on CPU: at most 6.7e-3 and 4.4e-5, bfloat16).
+    """50 steps at a peak LR of 1e-2 on a learnable sequence task, one device. Reference: the
+    float32 curve, which must learn (first loss > 5, mean of the last 10 < 0.5). Tolerance:
+    every bfloat16 / float16 step within 0.05 nats of float32 and the mean of the last 10 steps
+    within 0.02 nats, with no skipped step. Measured gaps: docs/performance/precision-and-fp8.md,
+    "Loss curves in bfloat16 and float16".
     """
     curves = {}
     for dtype in ("float32", "bfloat16", "float16"):
