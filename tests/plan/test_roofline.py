@@ -193,7 +193,7 @@ def test_a_kind_without_figures_gets_the_labelled_fallback():
 
 
 def test_routed_all_to_all_bytes_by_hand():
-    """671B layout (configs/experiments/deepseek_v3_2048xh800.yaml): 16,777,216 tokens a step
+    """671B layout (configs/experiments/deepseek_v3_2048xh800_flat.yaml): 16,777,216 tokens a step
     over 2048 devices (the batch axes fsdp 32 x expert 64) = 8192 per device, top-8 of hidden
     7168 in bf16 (2 bytes), 58 MoE layers + 1 MTP depth, expert 64 over 8 hosts (8 shards per
     host), 6 exchanges (dispatch, combine, both again and two gradients in the backward): of a
@@ -204,14 +204,14 @@ def test_routed_all_to_all_bytes_by_hand():
     assert got == pytest.approx(want, rel=1e-12)
     assert got["dcn"] == pytest.approx(291.0e9, rel=1e-3)  # GB a device sends across hosts
     cfg, _ = load_config(["configs/models/deepseek_v3_671b.yaml",
-                          "configs/experiments/deepseek_v3_2048xh800.yaml"])
+                          "configs/experiments/deepseek_v3_2048xh800_flat.yaml"])
     sizes = {a: getattr(cfg.mesh, a) for a in ("data", "fsdp", "pipeline", "expert", "tensor")}
     dcn = {a: getattr(cfg.mesh, f"dcn_{a}") for a in sizes}
     assert ALL_TO_ALL_EXCHANGES == 6
     assert routed_dispatch_bytes(cfg, sizes, dcn) == pytest.approx(want, rel=1e-12)
     # FP8 dispatch: 2 of the 6 exchanges at 1 + 4/128 bytes an element, 4 at bf16's 2
     fp8, _ = load_config(["configs/models/deepseek_v3_671b.yaml",
-                          "configs/experiments/deepseek_v3_2048xh800.yaml"],
+                          "configs/experiments/deepseek_v3_2048xh800_flat.yaml"],
                          ["precision.fp8=blockwise"])
     ratio = (4 * 2 + 2 * (1 + 4 / 128)) / (6 * 2)
     assert routed_dispatch_bytes(fp8, sizes, dcn) == pytest.approx(
@@ -260,7 +260,7 @@ def test_hosts_reached_matches_simulated_group_limited_routing(experts, k, group
 
 
 def test_two_level_routed_bytes_by_hand():
-    """The 671B layout under moe.transport=two_level (configs/experiments/deepseek_v3_2048xh800
+    """The 671B layout under moe.transport=two_level (configs/experiments/deepseek_v3_2048xh800_flat
     .yaml: 8192 tokens a device, top-8 of 256 experts in 4 of 8 groups, expert 64 over 8 hosts,
     bf16, remat full): hop 1 sends each token to the hosts_reached(256, 8, 8, 4, 8) hosts its
     experts lie on, less its own (7/8 of them), 5 times (TWO_LEVEL_HOP1_EXCHANGES) across hosts;
@@ -268,7 +268,7 @@ def test_two_level_routed_bytes_by_hand():
     another device inside it. With precision.fp8, 2 of hop 1's 5 and of hop 2's 6 travel at
     1 + 4/128 bytes an element."""
     files = ["configs/models/deepseek_v3_671b.yaml",
-             "configs/experiments/deepseek_v3_2048xh800.yaml"]
+             "configs/experiments/deepseek_v3_2048xh800_flat.yaml"]
     cfg, _ = load_config(files, ["moe.transport=two_level"])
     sizes = {a: getattr(cfg.mesh, a) for a in ("data", "fsdp", "pipeline", "expert", "tensor")}
     dcn = {a: getattr(cfg.mesh, f"dcn_{a}") for a in sizes}
