@@ -188,7 +188,7 @@ def test_failed_task_reruns_alone_to_the_same_output(planted, tokenizer_dir, tmp
     (out / "train-00001.array_record").write_bytes(b"half-written debris")
     finished = {p: p.stat().st_mtime_ns for p in (out / "logs").glob("*/completions/*")}
     buckets = minhash.MinhashParams().num_buckets
-    assert len(finished) == 2 + 1 + 2 + buckets + 1 + 1  # clean exact signatures buckets ...
+    assert len(finished) == 2 + 2 + 2 + buckets + 1 + 1  # clean exact signatures buckets ...
 
     resumed = prepare([str(root)], str(tokenizer_dir), str(out), options)
     assert ranks == [0, 1, 1]  # the rerun ran write task 1 alone; nothing before it
@@ -202,6 +202,36 @@ def test_failed_task_reruns_alone_to_the_same_output(planted, tokenizer_dir, tmp
         prepare([str(root)], str(tokenizer_dir), str(out),
                 PrepareOptions(**{**options.__dict__, "tasks": 3}))
     assert os.path.isfile(out / shards.MANIFEST)
+
+
+def test_exact_stage_split_by_hash_range_keeps_the_same_survivors(tokenizer_dir, tokenizer,
+                                                                     tmp_path, monkeypatch):
+    """The exact stage runs k finder tasks, each on 1/k of the hash range (k = --tasks); the
+    shards equal those of one finder task. Five tasks read a file each; every file holds the
+    same 40 documents at the same positions (a copy per task with equal priority and index:
+    only ExactSignature's rank priority decides which survives) among its own documents."""
+    rng = random.Random(7)
+    shared = [distinct_document(rng, 60) for _ in range(40)]
+    for rank in range(5):
+        own = [distinct_document(rng, 60) for _ in range(40)]
+        _jsonl(tmp_path / f"part_{rank}.jsonl",
+               [text for pair in zip(shared, own) for text in pair] + own[:5])  # + copies
+    options = PrepareOptions(tasks=5, near_dedup=False, launch=LaunchOptions(workers=1))
+    derived, outputs, manifests = stages_module.exact_finder_tasks, {}, {}
+    for finders in (1, 2, 5):
+        monkeypatch.setattr(stages_module, "exact_finder_tasks", lambda tasks, k=finders: k)
+        out = tmp_path / f"out_{finders}"
+        manifests[finders] = prepare([str(tmp_path / "part_*.jsonl")], str(tokenizer_dir),
+                                     str(out), options)
+        outputs[finders] = _outputs(out)
+        completions = out / "logs" / "exact" / "completions"
+        assert len(list(completions.iterdir())) == finders
+    assert manifests[1]["dropped"]["exact_duplicate"] == 4 * 40 + 5 * 5
+    written = _written(tmp_path / "out_1", tokenizer)
+    assert len(written) == len(set(written)) == 40 + 5 * 40
+    assert outputs[2] == outputs[1] and outputs[5] == outputs[1]
+    assert manifests[2] == manifests[1] == manifests[5]
+    assert derived(5) == 5  # prepare's own choice: one finder task per --tasks
 
 
 def test_decontamination_drops_documents_sharing_a_13_gram(tokenizer_dir, tokenizer, tmp_path):
@@ -233,7 +263,7 @@ def test_slurm_dry_run_writes_the_job_arrays(planted, tokenizer_dir, tmp_path):
     jobs = [p.name.split("-", 1)[1].removesuffix(".sbatch") for p in scripts]
     stages = ["clean", "exact", "signatures", "buckets", "cluster", "write", "manifest"]
     assert jobs == [part for s in stages for part in (f"maxmoe-{s}", f"maxmoe-{s}-stats")]
-    arrays = {"clean": 3, "exact": 1, "signatures": 3, "buckets": minhash.MinhashParams().num_buckets,
+    arrays = {"clean": 3, "exact": 3, "signatures": 3, "buckets": minhash.MinhashParams().num_buckets,
               "cluster": 1, "write": 3, "manifest": 1}
     for path, job in zip(scripts[::2], stages, strict=True):
         text = path.read_text()
