@@ -92,9 +92,10 @@ def prepare(inputs: list[str], tokenizer_dir: str, out: str,
         executor.run()
         left = executor.get_incomplete_ranks()
         if left:
+            logs = directory / "logs" / stage.name / "logs"
             raise RuntimeError(f"maxmoe data prepare: stage {stage.name}: tasks {left} failed "
-                               f"(logs in {directory / 'logs' / stage.name / 'logs'}); run the "
-                               "same command again to rerun only those")
+                               f"or their process was killed (logs in {logs}); run the same "
+                               "command again to rerun only those")
     return shards.load_manifest(str(directory))
 
 

@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import random
+import signal
 import sys
 
 import pyarrow as pa
@@ -297,3 +298,43 @@ def test_input_listing_errors(tmp_path, tokenizer_dir, monkeypatch):
                 PrepareOptions(launch=LaunchOptions(executor="ray")))
     assert not (tmp_path / "o").exists()
     assert InputOptions().json_field == "text"
+
+
+class KillTask(stages_module.PipelineStep):
+    """Passes documents on; with MAXMOE_TEST_KILL_TASK=RANK set, task RANK's process kills
+    itself (SIGKILL: no exception, no cleanup, as the out-of-memory killer) at its 5th one."""
+
+    name = "test kill -9"
+
+    def run(self, data, rank=0, world_size=1):
+        for count, doc in enumerate(data):
+            if os.environ.get("MAXMOE_TEST_KILL_TASK") == str(rank) and count == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield doc
+
+
+def test_task_process_killed_outright_ends_the_run_and_reruns(planted, tokenizer_dir, tmp_path,
+                                                              monkeypatch):
+    """Two workers (task processes of TaskProcesses): a kill -9 of write task 1 ends the command
+    with an error naming the task, instead of datatrove's pool waiting forever; a rerun
+    completes it to the shards of a run without a kill."""
+    root, _, _ = planted
+    options = PrepareOptions(tasks=2, near_dedup=False, launch=LaunchOptions(workers=2))
+    real_build = stages_module.build_stages
+
+    def with_kill(files, out, opts):
+        stages = real_build(files, out, opts)
+        write = next(s for s in stages if s.name == "write")
+        write.pipeline.insert(-1, KillTask())  # before the shard writer
+        return stages
+
+    monkeypatch.setattr(stages_module, "build_stages", with_kill)
+    reference = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "reference"), options)
+    monkeypatch.setenv("MAXMOE_TEST_KILL_TASK", "1")
+    with pytest.raises(RuntimeError, match=r"stage write: tasks \[1\] failed or their process "
+                                           r"was killed"):
+        prepare([str(root)], str(tokenizer_dir), str(tmp_path / "out"), options)
+    monkeypatch.delenv("MAXMOE_TEST_KILL_TASK")
+    resumed = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "out"), options)
+    assert _outputs(tmp_path / "out") == _outputs(tmp_path / "reference")
+    assert resumed["dropped"] == reference["dropped"]
