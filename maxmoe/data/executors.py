@@ -1,6 +1,7 @@
 """datatrove executors for `maxmoe data prepare --executor local|ray|slurm`.
 
-One function turns a stage (stages.py) into datatrove's LocalPipelineExecutor,
+One function turns a stage (stages.py) into datatrove's LocalPipelineExecutor (its tasks in
+a standard-library process pool when several run at once: TaskProcesses),
 RayPipelineExecutor or SlurmPipelineExecutor; the pipelines are the same for all three, so
 their outputs can be compared. Missing packages, an unreachable Ray cluster and a missing
 `sbatch` are user errors (ConfigError: one line, exit 2).

@@ -216,7 +216,7 @@ def test_exact_stage_split_by_hash_range_keeps_the_same_survivors(tokenizer_dir,
     for rank in range(5):
         own = [distinct_document(rng, 60) for _ in range(40)]
         _jsonl(tmp_path / f"part_{rank}.jsonl",
-               [text for pair in zip(shared, own) for text in pair] + own[:5])  # + copies
+               [text for pair in zip(shared, own, strict=True) for text in pair] + own[:5])  # + copies
     options = PrepareOptions(tasks=5, near_dedup=False, launch=LaunchOptions(workers=1))
     derived, outputs, manifests = stages_module.exact_finder_tasks, {}, {}
     for finders in (1, 2, 5):
