@@ -19,6 +19,10 @@
       CPU seconds of each stage of `maxmoe data prepare` (local executor, one worker, 2 tasks)
       -> documents per second per core, tokenization and filters included
 
+  python3 tools/dedup_figures.py exact-split --clean-tasks 64 --documents 2000000 --finders 1 4
+      the exact stage alone on random 64-bit hashes (30% of them copies) from C clean tasks:
+      CPU seconds of each of k finder tasks (ExactFindDedups on 1/k of the hash range)
+
 Run with `nice`: the figures are CPU time, so a shared machine slows them less than wall time.
 """
 
@@ -265,6 +269,36 @@ def prepare_scale(args) -> None:
     print("(documents per CPU second of each stage of maxmoe data prepare, i.e. per core)")
 
 
+def exact_split(args) -> None:
+    from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactFindDedups
+
+    from maxmoe.data.stages import ExactSignature, _text
+
+    config = ExactDedupConfig(content_getter=_text)
+    rng = np.random.default_rng(0)
+    per_task = args.documents // args.clean_tasks
+    pool = rng.integers(0, 2**64, size=int(args.documents * 0.7), dtype=np.uint64)
+    print("| finder tasks k | hashes | CPU s per finder task (max) | hashes per CPU s per task |")
+    print("|---|---|---|---|")
+    for finders in args.finders:
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            step = ExactSignature(os.path.join(tmp, "sigs"), config, finder_workers=finders)
+            for rank in range(args.clean_tasks):
+                step.priority = 65535 - rank
+                hashes = rng.choice(pool, size=per_task)  # draws repeat: exact copies
+                step.save_hashes(rank, [(int(h), step.priority, i) for i, h in enumerate(hashes)])
+            seconds = []
+            for rank in range(finders):
+                finder = ExactFindDedups(os.path.join(tmp, "sigs"), os.path.join(tmp, "dups"),
+                                         config)
+                start = time.process_time()
+                finder.run(rank=rank, world_size=finders)
+                seconds.append(time.process_time() - start)
+        total = per_task * args.clean_tasks
+        print(f"| {finders} | {total} | {max(seconds):.1f} | {total / sum(seconds):.0f} |",
+              flush=True)
+
+
 STAGES = ("clean", "exact", "signatures", "buckets", "cluster", "write", "manifest")
 
 
@@ -289,7 +323,12 @@ def main() -> None:
     ps = sub.add_parser("prepare-scale")
     ps.add_argument("--sizes", type=int, nargs="+", default=[10000, 30000])
     ps.set_defaults(run=prepare_scale)
-    for p in (q, s, r, ps):
+    x = sub.add_parser("exact-split")
+    x.add_argument("--clean-tasks", type=int, default=64)
+    x.add_argument("--documents", type=int, default=2000000)
+    x.add_argument("--finders", type=int, nargs="+", default=[1, 4])
+    x.set_defaults(run=exact_split)
+    for p in (q, s, r, ps, x):
         p.add_argument("--tmp", default=None, help="folder for the corpus and stage outputs")
     args = parser.parse_args()
     args.run(args)

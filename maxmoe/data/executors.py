@@ -1,6 +1,7 @@
 """datatrove executors for `maxmoe data prepare --executor local|ray|slurm`.
 
-One function turns a stage (stages.py) into datatrove's LocalPipelineExecutor,
+One function turns a stage (stages.py) into datatrove's LocalPipelineExecutor (its tasks in
+a standard-library process pool when several run at once: TaskProcesses),
 RayPipelineExecutor or SlurmPipelineExecutor; the pipelines are the same for all three, so
 their outputs can be compared. Missing packages, an unreachable Ray cluster and a missing
 `sbatch` are user errors (ConfigError: one line, exit 2).
@@ -11,14 +12,18 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import multiprocessing
 import os
 import shlex
 import socket
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
+import dill
 from datatrove.executor import LocalPipelineExecutor, slurm
 from datatrove.executor.ray import RayPipelineExecutor
 from datatrove.executor.slurm import SlurmPipelineExecutor
@@ -98,9 +103,10 @@ def executor_for(stage, logging_dir: Path, options: LaunchOptions, depends=None)
     stats under `logging_dir`; `depends`: the previous stage's executor (slurm only)."""
     if options.executor == "local":
         workers = min(stage.tasks, options.workers or _cores())
-        # spawn: the caller may hold JAX or grain threads, which fork would copy
-        return LocalPipelineExecutor(stage.pipeline, tasks=stage.tasks, workers=workers,
-                                     logging_dir=str(logging_dir), start_method="spawn")
+        if workers > 1:
+            return TaskProcesses(stage, logging_dir, workers)
+        return LocalPipelineExecutor(stage.pipeline, tasks=stage.tasks, workers=1,
+                                     logging_dir=str(logging_dir))
     if options.executor == "ray":
         return RayPipelineExecutor(stage.pipeline, tasks=stage.tasks,
                                    workers=min(stage.tasks, options.workers or stage.tasks),
@@ -112,6 +118,42 @@ def executor_for(stage, logging_dir: Path, options: LaunchOptions, depends=None)
         mem_per_cpu_gb=math.ceil(options.memory_gb_per_task), requeue=True,
         # the jobs run in the interpreter that launched them (same venv on a shared disk)
         env_command=f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:$PATH")
+
+
+class TaskProcesses:
+    """The local executor with `workers` > 1: datatrove's LocalPipelineExecutor runs each
+    incomplete task (its _run_for_rank, as datatrove's own Ray actors do) in a process of the
+    standard library's pool. Why: datatrove's pool (the `multiprocess` package) waits forever
+    for a task process killed outright (kill -9, the out-of-memory killer); this pool notices
+    the death (BrokenProcessPool) and stops, leaving the unfinished tasks to
+    get_incomplete_ranks. Not LocalPipelineExecutor.run per task: it starts a manager process
+    that inherits the task process's exit pipe, so the pool would not see that process die."""
+
+    def __init__(self, stage, logging_dir: Path, workers: int):
+        self.workers = workers
+        self.executor = LocalPipelineExecutor(stage.pipeline, tasks=stage.tasks, workers=1,
+                                              logging_dir=str(logging_dir))
+
+    def run(self) -> None:
+        """Runs the incomplete tasks; a task's exception is raised once the others end."""
+        self.executor.save_executor_as_json()
+        payload = dill.dumps(self.executor)
+        # spawn: the caller may hold JAX or grain threads, which fork would copy
+        with ProcessPoolExecutor(self.workers,
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_run_rank, payload, rank)
+                       for rank in self.get_incomplete_ranks()]
+            errors = [future.exception() for future in futures]
+        raised = [e for e in errors if e is not None and not isinstance(e, BrokenProcessPool)]
+        if raised:
+            raise raised[0]
+
+    def get_incomplete_ranks(self) -> list[int]:
+        return self.executor.get_incomplete_ranks()
+
+
+def _run_rank(executor: bytes, rank: int) -> None:
+    dill.loads(executor)._run_for_rank(rank)
 
 
 def _cores() -> int:

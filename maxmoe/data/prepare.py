@@ -21,6 +21,7 @@ from maxmoe.data import shards
 from maxmoe.data.executors import LaunchOptions, executor_for, slurm_submission, start_ray
 from maxmoe.data.filters import FilterOptions
 from maxmoe.data.sources import InputOptions, list_inputs
+from maxmoe.data.stages import MAX_TASKS
 from maxmoe.data.tokenizer import open_tokenizer
 
 
@@ -42,9 +43,10 @@ class PrepareOptions:
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"option --validation-fraction {self.validation_fraction}: must "
                               "be in [0, 1); use e.g. 0.01")
-        if self.tasks < 1:
-            raise ConfigError(f"option --tasks {self.tasks}: must be >= 1; use about one per "
-                              "core of the cluster, or the number of input files if fewer")
+        if not 1 <= self.tasks <= MAX_TASKS:
+            raise ConfigError(f"option --tasks {self.tasks}: must be in [1, {MAX_TASKS}]; use "
+                              "about one per core of the cluster, or the number of input files "
+                              "if fewer")
         for path in self.decontaminate:
             if not os.path.isfile(path):
                 raise ConfigError(f"option --decontaminate {path!r}: no such file; name the "
@@ -90,9 +92,10 @@ def prepare(inputs: list[str], tokenizer_dir: str, out: str,
         executor.run()
         left = executor.get_incomplete_ranks()
         if left:
+            logs = directory / "logs" / stage.name / "logs"
             raise RuntimeError(f"maxmoe data prepare: stage {stage.name}: tasks {left} failed "
-                               f"(logs in {directory / 'logs' / stage.name / 'logs'}); run the "
-                               "same command again to rerun only those")
+                               f"or their process was killed (logs in {logs}); run the same "
+                               "command again to rerun only those")
     return shards.load_manifest(str(directory))
 
 

@@ -3,7 +3,8 @@
     clean      N tasks   read files[rank::N] -> normalise -> character, language and
                          decontamination filters -> OUT/work/clean/{rank}.jsonl.gz
                          + exact-dedup hashes
-    exact      1 task    datatrove ExactFindDedups: duplicates of the hashes, globally
+    exact      N tasks   datatrove ExactFindDedups: duplicates of the hashes, globally; task k
+                         takes the k-th of N equal hash ranges (finder_workers = N)
     signatures N tasks   clean docs minus exact duplicates -> MinHash signatures (per bucket)
     buckets    B tasks   datatrove MinhashDedupBuckets: duplicate pairs, one task a bucket
     cluster    1 task    datatrove MinhashDedupCluster: pairs -> clusters, one survivor each
@@ -64,6 +65,31 @@ def _text(doc: Document) -> bytes:
     return doc.text.encode("utf-8", "surrogatepass")
 
 
+class ExactSignature(ExactDedupSignature):
+    """datatrove's exact-dedup hashes, with priority 65535 - rank: among identical documents
+    the one in the lowest task survives (then the first in that task). The finder's order
+    (hash, -priority, index in task) is then total, so which copy survives does not depend on
+    how its heaps happen to break ties, nor on the number of finder tasks."""
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1):
+        self.priority = MAX_TASKS + 1 - rank
+        return super().run(data, rank, world_size)
+
+    def get_hashes(self, doc: Document, doc_idx: int) -> list[tuple[int, int, int]]:
+        return [(self.hash_fc(self.config.content_getter(doc)), self.priority, doc_idx)]
+
+
+# the exact-dedup priority is a 16-bit number >= 1 that encodes the task (ExactSignature)
+MAX_TASKS = 65534
+
+
+def exact_finder_tasks(tasks: int) -> int:
+    """Tasks of the exact stage for `tasks` clean tasks: as many, each finding the duplicates
+    in 1/tasks of the hash range (so it scales with the cluster, like the other stages). The
+    survivors do not depend on it (ExactSignature); tests/data/test_prepare.py checks."""
+    return tasks
+
+
 def signature_step(output_folder: str) -> PipelineStep:
     """datatrove's MinHash signature stage with maxmoe's parameters and offline words."""
     return MinhashDedupSignature(output_folder, minhash.minhash_config(),
@@ -95,12 +121,14 @@ def build_stages(files: list[str], out: Path, options) -> list[Stage]:
         clean.append(Decontaminate(list(options.decontaminate), options.inputs))
     clean.append(JsonlWriter(str(work / "clean"), output_filename="${rank}.jsonl.gz",
                              adapter=_document_dict))
+    finders = exact_finder_tasks(tasks)
     if options.exact_dedup:
-        clean.append(ExactDedupSignature(str(work / "exact_sigs"), exact))
+        clean.append(ExactSignature(str(work / "exact_sigs"), exact, finder_workers=finders))
     stages = [Stage("clean", clean, tasks)]
     if options.exact_dedup:
         stages.append(Stage("exact", [ExactFindDedups(str(work / "exact_sigs"),
-                                                      str(work / "exact_dups"), exact)], 1))
+                                                      str(work / "exact_dups"), exact)],
+                            finders))
 
     def survivors() -> list:  # the clean documents that the dedup stages keep, so far
         steps = [RankReader(str(work / "clean"))]

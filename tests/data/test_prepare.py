@@ -5,6 +5,7 @@ import gzip
 import json
 import os
 import random
+import signal
 import sys
 
 import pyarrow as pa
@@ -188,7 +189,7 @@ def test_failed_task_reruns_alone_to_the_same_output(planted, tokenizer_dir, tmp
     (out / "train-00001.array_record").write_bytes(b"half-written debris")
     finished = {p: p.stat().st_mtime_ns for p in (out / "logs").glob("*/completions/*")}
     buckets = minhash.MinhashParams().num_buckets
-    assert len(finished) == 2 + 1 + 2 + buckets + 1 + 1  # clean exact signatures buckets ...
+    assert len(finished) == 2 + 2 + 2 + buckets + 1 + 1  # clean exact signatures buckets ...
 
     resumed = prepare([str(root)], str(tokenizer_dir), str(out), options)
     assert ranks == [0, 1, 1]  # the rerun ran write task 1 alone; nothing before it
@@ -202,6 +203,36 @@ def test_failed_task_reruns_alone_to_the_same_output(planted, tokenizer_dir, tmp
         prepare([str(root)], str(tokenizer_dir), str(out),
                 PrepareOptions(**{**options.__dict__, "tasks": 3}))
     assert os.path.isfile(out / shards.MANIFEST)
+
+
+def test_exact_stage_split_by_hash_range_keeps_the_same_survivors(tokenizer_dir, tokenizer,
+                                                                     tmp_path, monkeypatch):
+    """The exact stage runs k finder tasks, each on 1/k of the hash range (k = --tasks); the
+    shards equal those of one finder task. Five tasks read a file each; every file holds the
+    same 40 documents at the same positions (a copy per task with equal priority and index:
+    only ExactSignature's rank priority decides which survives) among its own documents."""
+    rng = random.Random(7)
+    shared = [distinct_document(rng, 60) for _ in range(40)]
+    for rank in range(5):
+        own = [distinct_document(rng, 60) for _ in range(40)]
+        _jsonl(tmp_path / f"part_{rank}.jsonl",
+               [text for pair in zip(shared, own, strict=True) for text in pair] + own[:5])  # + copies
+    options = PrepareOptions(tasks=5, near_dedup=False, launch=LaunchOptions(workers=1))
+    derived, outputs, manifests = stages_module.exact_finder_tasks, {}, {}
+    for finders in (1, 2, 5):
+        monkeypatch.setattr(stages_module, "exact_finder_tasks", lambda tasks, k=finders: k)
+        out = tmp_path / f"out_{finders}"
+        manifests[finders] = prepare([str(tmp_path / "part_*.jsonl")], str(tokenizer_dir),
+                                     str(out), options)
+        outputs[finders] = _outputs(out)
+        completions = out / "logs" / "exact" / "completions"
+        assert len(list(completions.iterdir())) == finders
+    assert manifests[1]["dropped"]["exact_duplicate"] == 4 * 40 + 5 * 5
+    written = _written(tmp_path / "out_1", tokenizer)
+    assert len(written) == len(set(written)) == 40 + 5 * 40
+    assert outputs[2] == outputs[1] and outputs[5] == outputs[1]
+    assert manifests[2] == manifests[1] == manifests[5]
+    assert derived(5) == 5  # prepare's own choice: one finder task per --tasks
 
 
 def test_decontamination_drops_documents_sharing_a_13_gram(tokenizer_dir, tokenizer, tmp_path):
@@ -233,7 +264,7 @@ def test_slurm_dry_run_writes_the_job_arrays(planted, tokenizer_dir, tmp_path):
     jobs = [p.name.split("-", 1)[1].removesuffix(".sbatch") for p in scripts]
     stages = ["clean", "exact", "signatures", "buckets", "cluster", "write", "manifest"]
     assert jobs == [part for s in stages for part in (f"maxmoe-{s}", f"maxmoe-{s}-stats")]
-    arrays = {"clean": 3, "exact": 1, "signatures": 3, "buckets": minhash.MinhashParams().num_buckets,
+    arrays = {"clean": 3, "exact": 3, "signatures": 3, "buckets": minhash.MinhashParams().num_buckets,
               "cluster": 1, "write": 3, "manifest": 1}
     for path, job in zip(scripts[::2], stages, strict=True):
         text = path.read_text()
@@ -267,3 +298,44 @@ def test_input_listing_errors(tmp_path, tokenizer_dir, monkeypatch):
                 PrepareOptions(launch=LaunchOptions(executor="ray")))
     assert not (tmp_path / "o").exists()
     assert InputOptions().json_field == "text"
+
+
+class KillTask(stages_module.PipelineStep):
+    """Passes documents on; with MAXMOE_TEST_KILL_TASK=RANK set, task RANK's process kills
+    itself (SIGKILL: no exception, no cleanup, as the out-of-memory killer) at its 5th one."""
+
+    name = "test kill -9"
+
+    def run(self, data, rank=0, world_size=1):
+        for count, doc in enumerate(data):
+            if os.environ.get("MAXMOE_TEST_KILL_TASK") == str(rank) and count == 5:
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield doc
+
+
+def test_task_process_killed_outright_ends_the_run_and_reruns(planted, tokenizer_dir, tmp_path,
+                                                              monkeypatch):
+    """Two workers (task processes of TaskProcesses): a kill -9 of write task 1 ends the command
+    with an error naming the task, instead of datatrove's pool waiting forever; a rerun
+    completes it to the shards of a run without a kill."""
+    root, _, _ = planted
+    options = PrepareOptions(tasks=2, near_dedup=False, launch=LaunchOptions(workers=2))
+    real_build = stages_module.build_stages
+
+    def with_kill(files, out, opts):
+        stages = real_build(files, out, opts)
+        write = next(s for s in stages if s.name == "write")
+        write.pipeline.insert(-1, KillTask())  # before the shard writer
+        return stages
+
+    monkeypatch.setattr(stages_module, "build_stages", with_kill)
+    reference = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "reference"), options)
+    monkeypatch.setenv("MAXMOE_TEST_KILL_TASK", "1")
+    # task 0 is listed too when it still ran: the pool stops the other processes with it
+    with pytest.raises(RuntimeError, match=r"stage write: tasks \[(0, )?1\] failed or their "
+                                           r"process was killed"):
+        prepare([str(root)], str(tokenizer_dir), str(tmp_path / "out"), options)
+    monkeypatch.delenv("MAXMOE_TEST_KILL_TASK")
+    resumed = prepare([str(root)], str(tokenizer_dir), str(tmp_path / "out"), options)
+    assert _outputs(tmp_path / "out") == _outputs(tmp_path / "reference")
+    assert resumed["dropped"] == reference["dropped"]
