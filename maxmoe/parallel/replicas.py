@@ -14,12 +14,14 @@ replicas' gradients are added once per step, after the accumulation loop.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from maxmoe.parallel.row_groups import combine_stacked, kept_aux
-from maxmoe.sharding import shard, within_replicas
+from maxmoe.sharding import current_mesh, param_axes, replica_axes, shard, within_replicas
 
 
 def on_replicas(run, state, x, segment_ids, positions, axes: tuple[str, ...]):
@@ -51,3 +53,33 @@ def on_replicas(run, state, x, segment_ids, positions, axes: tuple[str, ...]):
         y, aux = jax.vmap(one, spmd_axis_name=axes if len(axes) > 1 else axes[0])(
             state, groups(x), groups(segment_ids), groups(positions))
     return shard(y.reshape(x.shape), ("batch", "seq", "act_embed")), combine_stacked(aux)
+
+
+def on_sublayer_replicas(fn, module, *rows):
+    """fn(module, *rows) -> (outputs [B/G, ...] tree, aux dict or None), run once per replica
+    of the module's non-expert params where the compute copy holds them per expert-axis group
+    ([Ge, ...] in a layer: sharding.replica_axes(sublayers=True)), each group on its block of
+    rows, vmapped over the expert axes; the routed experts' params (and the buffers) are read
+    alike by every group, so the MoE's shard_map stays outside. Why: so attention, norms,
+    router and shared experts reduce no weight gradient over the expert axis per layer.
+    Elsewhere fn itself. Returns (outputs [B, ...], aux combined over the groups, per-token
+    entries dropped)."""
+    axes = replica_axes(sublayers=True)
+    if not axes:
+        return fn(module, *rows)
+    graphdef, state = nnx.split(module)
+    grouped = jax.tree.map(lambda v: 0 if isinstance(v, nnx.Param) and "experts" not in
+                           param_axes(v) else None, state,
+                           is_leaf=lambda v: isinstance(v, nnx.Variable))
+    g = math.prod(current_mesh().shape[a] for a in axes)
+
+    def one(state, *rows):
+        out, aux = fn(nnx.merge(graphdef, state), *rows)
+        return out, None if aux is None else kept_aux(aux)
+
+    with within_replicas(axes):
+        out, aux = jax.vmap(one, in_axes=(grouped, *(0,) * len(rows)),
+                            spmd_axis_name=axes if len(axes) > 1 else axes[0])(
+            state, *(a.reshape(g, a.shape[0] // g, *a.shape[1:]) for a in rows))
+    out = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), out)
+    return out, None if aux is None else combine_stacked(aux)
