@@ -109,17 +109,16 @@ def sublayer_replicas(cfg: Config, mesh, abstract_vars, copy, stacked):
     them (attention, norms, router, shared experts) run vmapped over expert-axis groups of
     rows (parallel/replicas.py on_sublayer_replicas) and no gradient of theirs is reduced over
     the expert axis per layer. Off (all False) where a stacked copy already splits a dim over
-    those axes, the pipeline splits the stacks, or the copy has no replicas."""
+    those axes, or the copy has no replicas."""
     axes = tuple(a for a in cfg.mesh.rules.get("experts", []) if mesh.shape[a] > 1
                  and a in cfg.mesh.rules.get("batch", []))
     mine = nnx.to_pure_dict(jax.tree.map(
         lambda v: v.replace(isinstance(v, nnx.Param) and "experts" not in param_axes(v)),
         abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     sub = jax.tree.map(lambda s, m: bool(s and m and axes), stacked, mine)
-    stages = [a for a in cfg.mesh.rules.get("stage", []) if mesh.shape[a] > 1]
     used = {a for c, e in zip(jax.tree.leaves(copy), jax.tree.leaves(sub), strict=True) if e
             for ax in c.spec if ax for a in ((ax,) if isinstance(ax, str) else ax)}
-    if stages or used & set(axes) or not any(jax.tree.leaves(sub)):
+    if used & set(axes) or not any(jax.tree.leaves(sub)):
         return jax.tree.map(lambda _: False, sub), ()
     return sub, axes
 

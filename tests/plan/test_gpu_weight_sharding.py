@@ -16,8 +16,7 @@
   the weights replicated over it (all but the routed experts') are read by the attention,
   norm, router and shared-expert sublayers vmapped over one replica per expert group
   (replicas.py on_sublayer_replicas), so their gradients are reduced once per step; zero3's
-  scans reduce them per layer (the check can fire). Without the pipeline only (under it the
-  copy holds no expert-group replicas: train/gradients.py sublayer_replicas).
+  scans reduce them per layer (the check can fire). With and without the pipeline.
 
 XLA:CPU keeps the accumulation loop's reduction in the loop, so these are checked on the GPU
 compile. The `gpu_aot` group; tiny on 16 deviceless H100s in 2 hosts (data 4
@@ -155,10 +154,11 @@ def test_zero1_layer_scans_reduce_no_gradient_over_data_parallel_axes(name):
     assert data_parallel_reductions_in_layer_scans(hlo, mesh) == []
 
 
-def test_zero1_layer_scans_reduce_no_gradient_over_the_expert_axis():
+@pytest.mark.parametrize("name", ["zero1", "zero1_pipelined"])
+def test_zero1_layer_scans_reduce_no_gradient_over_the_expert_axis(name):
     hlo, _, mesh = compiled("zero3")
     assert expert_reductions_in_layer_scans(hlo, mesh)  # the check can fire
-    hlo, _, mesh = compiled("zero1")
+    hlo, _, mesh = compiled(name)
     assert expert_reductions_in_layer_scans(hlo, mesh) == []
 
 
