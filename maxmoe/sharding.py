@@ -32,9 +32,8 @@ _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("mesh", defa
 # copy (compute_copy)
 _COPY: contextvars.ContextVar[tuple[str, dict, dict] | None] = contextvars.ContextVar(
     "copy", default=None)
-# the replica axes of the compute copy's stacks (compute_copy), and those a stack is vmapped
-# over now (within_replicas)
-_COPY_REPLICAS: contextvars.ContextVar[tuple] = contextvars.ContextVar("copies", default=())
+# the compute copy's replica axes (stacks', sublayers'), and those vmapped over now
+_COPY_REPLICAS: contextvars.ContextVar[tuple] = contextvars.ContextVar("copies", default=((), ()))
 _REPLICAS: contextvars.ContextVar[tuple] = contextvars.ContextVar("replicas", default=())
 # the batch axes that are data parallelism alone: ZeRO-1/HSDP replicate compute weights over them
 DATA_PARALLEL_AXES = ("data", "fsdp")
@@ -278,27 +277,28 @@ def copy_groups(rules: Mapping[str, list[str]], weights: str,
     (parallel/replicas.py), so the scans reduce no gradient over these axes."""
     if weights == "zero3":
         return ()
-    batch = rules.get("batch", [])
-    return tuple(a for a in DATA_PARALLEL_AXES
-                 if a in batch and (weights == "zero1" or dcn.get(a, 1) > 1))
+    return tuple(a for a in DATA_PARALLEL_AXES if a in rules.get("batch", [])
+                 and (weights == "zero1" or dcn.get(a, 1) > 1))
 
 
-def replica_axes(inside: bool = False) -> tuple[str, ...]:
+def replica_axes(inside: bool = False, sublayers: bool = False) -> tuple[str, ...]:
     """The axes the compute copy holds the stacks' replicas over (compute_copy), () off it or
-    within_replicas; inside: the axes the current `within_replicas` splits instead."""
-    if inside or _REPLICAS.get():
-        return _REPLICAS.get() if inside else ()
-    return _COPY_REPLICAS.get()
+    within_replicas; inside: the axes the current `within_replicas` splits instead; sublayers:
+    within a stack's replicas, the expert axes of the non-expert params' (replicas.py)."""
+    now, (stacks, subs) = _REPLICAS.get(), _COPY_REPLICAS.get()
+    if sublayers:
+        return subs if now and not set(subs) & set(now) else ()
+    return now if inside else () if now else stacks
 
 
 @contextlib.contextmanager
 def within_replicas(axes: tuple[str, ...]) -> Iterator[None]:
-    """The rules with `axes` dropped from every logical axis but STACK_AXES while a stack runs
-    vmapped over its replicas (parallel/replicas.py), as `within_stages` for the stages."""
+    """The rules with `axes` dropped from every logical axis but STACK_AXES while a stack (or
+    sublayer) runs vmapped over its replicas (parallel/replicas.py), as `within_stages` does."""
     rules = _RULES.get() or {}
     t1 = _RULES.set({k: list(v) if k in STACK_AXES else [a for a in v if a not in axes]
                      for k, v in rules.items()})
-    t2 = _REPLICAS.set(tuple(axes))
+    t2 = _REPLICAS.set(_REPLICAS.get() + tuple(axes))  # nested: sublayers' inside a stack's
     try:
         yield
     finally:
@@ -307,16 +307,16 @@ def within_replicas(axes: tuple[str, ...]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def compute_copy(weights: str, dcn: Mapping[str, int],
-                 replicas: tuple[str, ...] = ()) -> Iterator[None]:
+def compute_copy(weights: str, dcn: Mapping[str, int], replicas: tuple[str, ...] = (),
+                 sublayers: tuple[str, ...] = ()) -> Iterator[None]:
     """The step traces on a compute copy laid out by `compute_axes` (mesh.weights zero1 /
     hsdp): `stack_source_spec` reads the stack from that layout, not storage's, and `shard` /
     `spec` use `copy_rules`; the stacks run on their replicas over mesh axes `replicas`
-    (`replica_axes`). The current rules again on exit."""
+    (`replica_axes`), their non-expert params' over `sublayers` too. Old rules on exit."""
     rules = _RULES.get() or {}
     t1 = _COPY.set((weights, dict(dcn), dict(rules)))
     t2 = _RULES.set(copy_rules(rules, weights, dcn))
-    t3 = _COPY_REPLICAS.set(tuple(replicas))
+    t3 = _COPY_REPLICAS.set((tuple(replicas), tuple(sublayers)))
     try:
         yield
     finally:

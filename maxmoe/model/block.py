@@ -20,7 +20,7 @@ from maxmoe.model.decode_moe import moe_step
 from maxmoe.model.layers import MLP, RMSNorm
 from maxmoe.model.moe import MoE
 from maxmoe.parallel.pipeline import run_pipeline
-from maxmoe.parallel.replicas import on_replicas
+from maxmoe.parallel.replicas import on_replicas, on_sublayer_replicas
 from maxmoe.parallel.schedule import PipelineSchedule
 from maxmoe.sharding import replica_axes, shard
 
@@ -55,13 +55,17 @@ class Block(nnx.Module):
 
     def __call__(self, x, segment_ids, positions):
         # named scopes label the ops of each part in profiles (`maxmoe bench --profile`)
-        h = self.attn_norm(x)
+        # on_sublayer_replicas: under a compute copy with expert-axis replicas, each expert
+        # group of rows on its own replica of these params (parallel/replicas.py)
         with jax.named_scope("attention"):
-            x = x + self.attn(h, segment_ids, positions)
-        h = self.mlp_norm(x)
+            a, _ = on_sublayer_replicas(
+                lambda b, x, s, p: (b.attn(b.attn_norm(x), s, p), None),
+                self, x, segment_ids, positions)
+        x = x + a
+        h, _ = on_sublayer_replicas(lambda b, x: (b.mlp_norm(x), None), self, x)
         with jax.named_scope("moe" if isinstance(self.mlp, MoE) else "mlp"):
-            y = self.mlp(h)
-        y, aux = y if isinstance(y, tuple) else (y, {})
+            y, aux = self.mlp(h) if isinstance(self.mlp, MoE) else (on_sublayer_replicas(
+                lambda b, h: (b.mlp(h), None), self, h)[0], {})
         x = shard(x + y, ("batch", "seq", "act_embed"))
         aux["activation_rms"] = jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32))))
         return x, aux

@@ -11,6 +11,7 @@ from maxmoe.config import MoEConfig
 from maxmoe.model.layers import MLP, param
 from maxmoe.model.router import RouterBias, route
 from maxmoe.parallel.experts import routed_experts
+from maxmoe.parallel.replicas import on_sublayer_replicas
 from maxmoe.sharding import shard
 
 
@@ -43,7 +44,10 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         """x [B, S, D] -> ([B, S, D], aux losses, expert load [E] and expert_idx [B, S, K])."""
-        idx, weights, aux = self.route(x)
+        # router and shared experts on their expert-group replicas, if any (replicas.py);
+        # the routed experts' shard_map outside, on every group's tokens
+        (idx, weights), aux = on_sublayer_replicas(
+            lambda m, x: (lambda i, w, a: ((i, w), a))(*m.route(x)), self, x)
         # named for the save_named / offload_named remat policies (transformer.py)
         idx, weights = (checkpoint_name(t, "moe_dispatch") for t in (idx, weights))
         c = lambda p: p[...].astype(self.dtype)  # noqa: E731
@@ -54,5 +58,5 @@ class MoE(nnx.Module):
         y = checkpoint_name(y, "moe_combine")
         if self.shared is not None:
             with jax.named_scope("shared_experts"):
-                y = y + self.shared(x)
+                y = y + on_sublayer_replicas(lambda m, x: (m.shared(x), None), self, x)[0]
         return shard(y, ("batch", "seq", "act_embed")), aux

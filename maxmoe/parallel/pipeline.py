@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from maxmoe.parallel.replicas import stack_axes, stack_source
 from maxmoe.parallel.row_groups import MAXED, ROOT_MEAN_SQUARE
 from maxmoe.parallel.schedule import PipelineSchedule
 from maxmoe.sharding import (
@@ -57,10 +58,8 @@ from maxmoe.sharding import (
     entry_axes,
     mesh_axes,
     on_compute_copy,
-    param_axes,
     shard,
     spec,
-    stack_source_spec,
     within_stages,
 )
 
@@ -191,9 +190,8 @@ def stage_layout(state, table: list[list[int]], repeats: int):
     stages, width = len(table), len(table[0])
 
     def one(var):
-        a, logical = var.get_value(), param_axes(var)
-        a = _stage_slots(a, stack_source_spec(var) if current_mesh() is not None else None,
-                         table)
+        a, logical = var.get_value(), stack_axes(var, 1)
+        a = _stage_slots(a, stack_source(var) if current_mesh() is not None else None, table)
         a = a.reshape(stages, repeats, width // repeats, *a.shape[1:])
         return var.replace(_constrain(a, ("stage", None, None, *logical[1:])))
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -230,7 +228,7 @@ def _gradients_pinned(stage_params):
     reduce-scatters every iteration. The identity otherwise."""
     if current_mesh() is None or not on_compute_copy():
         return lambda tree: tree
-    specs = [spec(("stage", None, None, *param_axes(v)[3:]), shape=v.get_value().shape)
+    specs = [spec(("stage", None, None, *stack_axes(v, 3)[3:]), shape=v.get_value().shape)
              for v in jax.tree.leaves(stage_params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
 
     @jax.custom_vjp

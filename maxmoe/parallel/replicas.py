@@ -10,16 +10,34 @@ them: train/gradients.py ComputeCopy, sharding.copy_groups), and the stack runs 
 over the replicas with spmd_axis_name, as the pipeline's vmap over stages: group g runs its own
 rows on its own replica, so that replica's gradient is summed over the group's rows alone. The
 replicas' gradients are added once per step, after the accumulation loop.
+
+The weights replicated over the expert axis too (all stacked params but the routed experts')
+would still be reduced over it per layer: the layer cannot run vmapped over that axis, as the
+MoE's shard_map sends tokens over it. So the copy holds one replica of those per expert group
+as well ([G, L, Ge, ...]: train/gradients.py sublayer_replicas), and inside each layer the
+sublayers that read them (norms, attention, router, shared experts) run vmapped over those
+replicas, each expert group on its own rows (`on_sublayer_replicas`), the routed experts'
+shard_map between them on every group's tokens.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from maxmoe.parallel.row_groups import combine_stacked, kept_aux
-from maxmoe.sharding import shard, within_replicas
+from maxmoe.sharding import (
+    current_mesh,
+    param_axes,
+    replica_axes,
+    shard,
+    stack_source_spec,
+    within_replicas,
+)
 
 
 def on_replicas(run, state, x, segment_ids, positions, axes: tuple[str, ...]):
@@ -51,3 +69,54 @@ def on_replicas(run, state, x, segment_ids, positions, axes: tuple[str, ...]):
         y, aux = jax.vmap(one, spmd_axis_name=axes if len(axes) > 1 else axes[0])(
             state, groups(x), groups(segment_ids), groups(positions))
     return shard(y.reshape(x.shape), ("batch", "seq", "act_embed")), combine_stacked(aux)
+
+
+def on_sublayer_replicas(fn, module, *rows):
+    """fn(module, *rows) -> (outputs [B/G, ...] tree, aux dict or None), run once per replica
+    of the module's non-expert params where the compute copy holds them per expert-axis group
+    ([Ge, ...] in a layer: sharding.replica_axes(sublayers=True)), each group on its block of
+    rows, vmapped over the expert axes; the routed experts' params (and the buffers) are read
+    alike by every group, so the MoE's shard_map stays outside. Why: so attention, norms,
+    router and shared experts reduce no weight gradient over the expert axis per layer.
+    Elsewhere fn itself. Returns (outputs [B, ...], aux combined over the groups, per-token
+    entries dropped)."""
+    axes = replica_axes(sublayers=True)
+    if not axes:
+        return fn(module, *rows)
+    graphdef, state = nnx.split(module)
+    grouped = jax.tree.map(lambda v: 0 if isinstance(v, nnx.Param) and "experts" not in
+                           param_axes(v) else None, state,
+                           is_leaf=lambda v: isinstance(v, nnx.Variable))
+    g = math.prod(current_mesh().shape[a] for a in axes)
+
+    def one(state, *rows):
+        out, aux = fn(nnx.merge(graphdef, state), *rows)
+        return out, None if aux is None else kept_aux(aux)
+
+    with within_replicas(axes):
+        out, aux = jax.vmap(one, in_axes=(grouped, *(0,) * len(rows)),
+                            spmd_axis_name=axes if len(axes) > 1 else axes[0])(
+            state, *(a.reshape(g, a.shape[0] // g, *a.shape[1:]) for a in rows))
+    out = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), out)
+    return out, None if aux is None else combine_stacked(aux)
+
+
+def stack_axes(var, lead: int) -> tuple:
+    """sharding.param_axes of a stacked param with `lead` stack dims ([L, ...] or the
+    pipeline's [P, V, S, ...]), the compute copy's expert-group replica dim after them, if any
+    ([..., Ge, ...] within a stack's replicas: on_sublayer_replicas), named "experts" so that
+    it stays split over the expert axis, as the routed experts are."""
+    logical, own = param_axes(var), len(var.get_metadata().get("axes", ()))
+    if len(logical) - own == lead + 1 and replica_axes(sublayers=True):
+        return (*logical[:lead], "experts", *logical[lead + 1:])
+    return logical
+
+
+def stack_source(var) -> P:
+    """sharding.stack_source_spec of a stacked param [L, ...] (the pipeline regroups it from
+    there); of one with the expert-group replica dim [L, Ge, ...] (stack_axes), one replica's
+    spec with that dim inserted, split over the groups' axes."""
+    if stack_axes(var, 1)[1:2] != ("experts",):
+        return stack_source_spec(var)
+    one = tuple(stack_source_spec(var.replace(var.get_value()[:, 0])))
+    return P(*(*one, None)[:1], replica_axes(sublayers=True), *one[1:])

@@ -44,20 +44,31 @@ class ComputeCopy:
     stacked: Any  # per param: whether the copy holds replicas of it ([G, L, ...])
     groups: tuple = ()  # the mesh axes (size > 1) of the replicas: sharding.copy_groups
     replicas: int = 1  # G: one replica per group of sharding.copy_groups' axes
+    # per param: whether its stacked replicas hold one replica per expert-axis group too,
+    # [G, L, Ge, ...] (all stacked params but the routed experts': sublayer_groups)
+    sublayer: Any = None
+    sublayer_groups: tuple = ()  # the expert axes of those replicas (size > 1)
+    sublayer_replicas: int = 1  # Ge
 
     def read(self, params):
         """The float32 params (state layout) -> the copy: cast, and each stacked param
         [L, ...] repeated G times, [G, L, ...], one replica per device group (the layer stacks
         run vmapped over them: parallel/replicas.py), laid out."""
         params = jax.tree.map(lambda p, t: p.astype(t), params, self.dtypes)
-        params = jax.tree.map(lambda p, s: jnp.broadcast_to(p, (self.replicas, *p.shape))
-                              if s else p, params, self.stacked)
+        params = jax.tree.map(lambda p, s, e: self._replicated(p) if s and e else
+                              jnp.broadcast_to(p, (self.replicas, *p.shape)) if s else p,
+                              params, self.stacked, self.sublayer)
         return _constrained(params, self.shardings)
+
+    def _replicated(self, p):  # [L, ...] -> [G, L, Ge, ...]
+        return jnp.broadcast_to(p[None, :, None], (self.replicas, p.shape[0],
+                                                   self.sublayer_replicas, *p.shape[1:]))
 
     def write(self, grads):
         """Gradients of the copy -> the state's layout, the replicas' gradients added: the one
         reduction over the replica axes of the stacked params' gradients."""
-        grads = jax.tree.map(lambda g, s: jnp.sum(g, axis=0) if s else g, grads, self.stacked)
+        grads = jax.tree.map(lambda g, s, e: jnp.sum(g, axis=(0, 2)) if s and e else
+                             jnp.sum(g, axis=0) if s else g, grads, self.stacked, self.sublayer)
         return _constrained(grads, self.stored)
 
 
@@ -83,9 +94,33 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
     stacked = nnx.to_pure_dict(jax.tree.map(
         lambda v: v.replace(replicas > 1 and param_axes(v)[:1] == ("layers",)),
         abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    copy = jax.tree.map(lambda c, s: NamedSharding(mesh, P(groups, *c.spec)) if s else c,
-                        copy, stacked)
-    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas)
+    sub, sub_groups = sublayer_replicas(cfg, mesh, abstract_vars, copy, stacked)
+    copy = jax.tree.map(  # [G, L, ...] over groups; [G, L, Ge, ...] over groups, L's, sub_groups
+        lambda c, s, e: NamedSharding(mesh, P(groups, *((*c.spec, None)[:1], sub_groups)
+                                               + tuple(c.spec[1:]) if e else c.spec))
+        if s else c, copy, stacked, sub)
+    return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas,
+                       sub, sub_groups, math.prod(mesh.shape[a] for a in sub_groups))
+
+
+def sublayer_replicas(cfg: Config, mesh, abstract_vars, copy, stacked):
+    """(per param: whether its stacked replicas get an expert-axis replica dim too, the expert
+    axes of size > 1): every stacked param but the routed experts', so the sublayers that read
+    them (attention, norms, router, shared experts) run vmapped over expert-axis groups of
+    rows (parallel/replicas.py on_sublayer_replicas) and no gradient of theirs is reduced over
+    the expert axis per layer. Off (all False) where a stacked copy already splits a dim over
+    those axes, or the copy has no replicas."""
+    axes = tuple(a for a in cfg.mesh.rules.get("experts", []) if mesh.shape[a] > 1
+                 and a in cfg.mesh.rules.get("batch", []))
+    mine = nnx.to_pure_dict(jax.tree.map(
+        lambda v: v.replace(isinstance(v, nnx.Param) and "experts" not in param_axes(v)),
+        abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    sub = jax.tree.map(lambda s, m: bool(s and m and axes), stacked, mine)
+    used = {a for c, e in zip(jax.tree.leaves(copy), jax.tree.leaves(sub), strict=True) if e
+            for ax in c.spec if ax for a in ((ax,) if isinstance(ax, str) else ax)}
+    if used & set(axes) or not any(jax.tree.leaves(sub)):
+        return jax.tree.map(lambda _: False, sub), ()
+    return sub, axes
 
 
 # microbatch metrics summed into the step's under gradient accumulation (accumulated)
@@ -137,7 +172,7 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | Non
         return gradients
 
     def on_copy(params, batch, buffers, scale_state):
-        with compute_copy(copy.weights, copy.dcn, copy.groups):
+        with compute_copy(copy.weights, copy.dcn, copy.groups, copy.sublayer_groups):
             grads, metrics = gradients(copy.read(params), batch, buffers, scale_state)
         return copy.write(grads), metrics
 

@@ -12,10 +12,14 @@
   do (the check can fire). With and without the pipeline.
 - zero1 sends fewer bytes across hosts (plan/collectives.py's count).
 
+- Nor over the expert axis, outside the MoE's shard_map (whose token exchanges run over it):
+  the weights replicated over it (all but the routed experts') are read by the attention,
+  norm, router and shared-expert sublayers vmapped over one replica per expert group
+  (replicas.py on_sublayer_replicas), so their gradients are reduced once per step; zero3's
+  scans reduce them per layer (the check can fire). With and without the pipeline.
+
 XLA:CPU keeps the accumulation loop's reduction in the loop, so these are checked on the GPU
-compile. Not claimed: the weights replicated over the expert axis too (all but the routed
-experts) still have their gradients reduced over it per layer (docs/performance.md, "Weight
-sharding modes"). The `gpu_aot` group; tiny on 16 deviceless H100s in 2 hosts (data 4
+compile. The `gpu_aot` group; tiny on 16 deviceless H100s in 2 hosts (data 4
 across them x fsdp 2 x expert 2; pipelined: data 2 x fsdp 2 x pipeline 2 x expert 2), bf16.
 """
 
@@ -40,6 +44,7 @@ PIPELINED = ["mesh.data=2", "mesh.pipeline=2", "model.num_layers=5",
              "model.pipeline_microbatches=4", "data.global_batch_size=128"]
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 LARGE = 64 * 1024  # bytes: above every scalar and metric reduction of the tiny step
+SMALL = 1024  # bytes: above the layer's metric reductions (a few floats), below a weight's
 DATA_PARALLEL = ("data", "fsdp")
 
 
@@ -102,6 +107,27 @@ def data_parallel_reductions_in_layer_scans(hlo: str, mesh) -> list[str]:
     return found
 
 
+def expert_reductions_in_layer_scans(hlo: str, mesh) -> list[str]:
+    """Reductions (all-reduce, reduce-scatter) of >= SMALL result bytes inside the loops nested
+    in the accumulation loop whose device groups span the expert axis, outside the MoE's
+    shard_map (where the tokens' own exchanges run over it): a gradient of a weight replicated
+    over the expert axis (attention, norms, router, shared experts) reduced at every layer."""
+    axis = list(mesh.shape).index("expert")
+    coords = np.array(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)).T
+    _, inner = _accumulation_instructions(hlo, nested=True)
+    found = []
+    for ins in inner:
+        if not ins.opcode.startswith(("all-reduce", "reduce-scatter")) or \
+                ins.opcode.endswith("done") or shape_bytes(ins.type) < SMALL:
+            continue
+        op = re.search(r'op_name="([^"]*)"', attr(ins.attrs, "metadata") or "")
+        c = coords[np.asarray(replica_groups(ins.attrs, mesh.devices.size))]
+        if (c[..., axis] != c[:, :1, axis]).any() and "shard_map" not in (op.group(1) if op
+                                                                          else ""):
+            found.append(f"{ins.opcode} {ins.type[:50]} {op.group(1)[-60:] if op else ''}")
+    return found
+
+
 LAYOUTS = {"zero3": ["mesh.weights=zero3"], "zero1": ["mesh.weights=zero1"],
            "zero1_pipelined": ["mesh.weights=zero1", *PIPELINED]}
 
@@ -126,6 +152,14 @@ def test_zero1_layer_scans_reduce_no_gradient_over_data_parallel_axes(name):
     assert data_parallel_reductions_in_layer_scans(hlo, mesh)  # the check can fire
     hlo, _, mesh = compiled(name)
     assert data_parallel_reductions_in_layer_scans(hlo, mesh) == []
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero1_pipelined"])
+def test_zero1_layer_scans_reduce_no_gradient_over_the_expert_axis(name):
+    hlo, _, mesh = compiled("zero3")
+    assert expert_reductions_in_layer_scans(hlo, mesh)  # the check can fire
+    hlo, _, mesh = compiled(name)
+    assert expert_reductions_in_layer_scans(hlo, mesh) == []
 
 
 def test_zero1_sends_fewer_bytes_across_hosts():

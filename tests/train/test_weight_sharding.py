@@ -159,6 +159,24 @@ def test_zero1_copy_holds_a_replica_of_each_stack_per_data_parallel_group():
         assert (tuple(sharding.spec)[:1] == (("data", "fsdp"),)) == s
 
 
+def test_zero1_copy_holds_expert_group_replicas_of_the_non_expert_stacks():
+    """The copy of a stacked param other than the routed experts' is [G, L, Ge, ...], Ge the
+    expert-axis groups, split over them (replicas.py on_sublayer_replicas runs attention,
+    norms, router and shared experts over them); the routed experts' stay [G, L, E, ...]."""
+    cfg, origins = small_config(*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "mesh.weights=zero1")
+    mesh = make_mesh(validate(cfg, 8, origins), jax.devices()[:8])
+    copy = state_layout(cfg, mesh).compute
+    assert copy.sublayer_groups == ("expert",) and copy.sublayer_replicas == 2
+    sub, stacked = jax.tree.leaves(copy.sublayer), jax.tree.leaves(copy.stacked)
+    assert any(sub)
+    for s, st, sharding in zip(sub, stacked, jax.tree.leaves(copy.shardings), strict=True):
+        spec = tuple(sharding.spec)
+        if s:  # [G, L, Ge, ...]: split over the groups, then the expert axis
+            assert spec[:1] == (("data", "fsdp"),) and spec[2] in ("expert", ("expert",)), spec
+        else:  # not stacked, or the routed experts' (split over the expert axis themselves)
+            assert not st or "expert" in spec[2:], spec
+
+
 def test_zero1_copy_holds_no_replicas_under_fp8():
     """precision.fp8: the copy holds no replicas (a tensorwise amax or a blockwise
     weight-gradient tile would span one group's rows, and the step would differ from zero3's)."""
