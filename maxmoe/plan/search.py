@@ -146,6 +146,13 @@ LOGITS_COPIES = 7  # [tokens, vocab / tensor] float32: logits, softmax, their gr
 # the embedding gather's and the head's gradients and their partial sums (8 such buffers of
 # 3.45 GiB each in the 671B compile at ep64 x fsdp32: docs/performance/planning.md, Scale memory)
 VOCAB_TABLE_COPIES = 8
+# zero1 / hsdp: the compute copy and its float32 sums are counted apart (copy_elements); what
+# remains are the embedding gather's and the LM head's float32 gradients inside the loop
+ZERO1_VOCAB_TABLE_COPIES = 2
+# a pipelined run keeps its stage inputs, [iterations, B/M, S, D], twice over at its peak
+# (the 671B recipe's XLA:GPU compile: two 13.07 GiB buffers of 239 iterations' inputs,
+# docs/performance/planning.md, "The search's pre-ranker")
+PIPELINE_INPUT_COPIES = 2
 UPDATE_COPIES = 2  # of the largest parameter leaf: gradient accumulation over the layer scan
 
 
@@ -292,25 +299,61 @@ def _wire_width(cfg: Config, exchanges: int, dispatches: int) -> float:
 def activation_bytes(cfg: Config, layout: Layout) -> float:
     """Modelled temporaries beyond the gradients: saved residuals of every layer, one MoE
     layer's received rows (`moe_rows`) and expert intermediates, the logits and the float32
-    vocabulary tables."""
-    m, e, sizes = cfg.model, cfg.moe, layout.sizes
+    vocabulary tables. A pipelined run of layers keeps instead its stage inputs, one
+    microbatch's rows per iteration (`pipelined_bytes`); the layers outside it run on every
+    batch axis's share of the rows, the LM head on one of model.outer_microbatches' groups of
+    them."""
+    m, sizes = cfg.model, layout.sizes
     t = tokens_per_device(cfg, sizes, layout.microbatches)
     width = compute_bytes(cfg)
-    layers = (m.num_layers + m.mtp_depth) / sizes["pipeline"]
-    saved = layers * t * m.hidden_size * width * SAVED_PER_LAYER[layout.remat]
-    intermediates = t * e.experts_per_token * (2 * e.expert_mlp_size / sizes["tensor"]
-                                               + m.hidden_size) * 4
-    if transport(cfg, layout) == "all_gather":
-        moe = moe_rows(cfg, layout, t) * m.hidden_size * (width + 4) + intermediates
-    else:  # send and receive buffers of the same slots, their float32 outputs
-        rows = moe_rows(cfg, layout, t)
-        moe = rows * m.hidden_size * (2 * width + 4) + intermediates * rows / (
-            t * e.experts_per_token)
+    schedule = pipeline_schedule(m, sizes["pipeline"])
+    piped = [n for _, _, n in layer_groups(m) if schedule.pipelines(n)]
+    outside = t / sizes["pipeline"] if piped else t  # the stage axes split the rows there
+    layers = m.num_layers + m.mtp_depth - sum(piped)
+    if not piped:
+        layers /= sizes["pipeline"]
+    saved = layers * outside * m.hidden_size * width * SAVED_PER_LAYER[layout.remat]
+    rows = outside / m.outer_microbatches
+    moe = _moe_bytes(cfg, layout, rows if piped else t)
+    if piped:
+        moe = max(moe, pipelined_bytes(cfg, layout, t, sum(piped)))
     chunk = m.lm_loss_chunk or cfg.data.seq_len  # kernels/lm_loss.py: one chunk's logits
-    logits = LOGITS_COPIES * t * min(chunk / cfg.data.seq_len, 1.0) * m.vocab_size / sizes[
+    logits = LOGITS_COPIES * rows * min(chunk / cfg.data.seq_len, 1.0) * m.vocab_size / sizes[
         "tensor"] * 4
-    tables = VOCAB_TABLE_COPIES * m.vocab_size * m.hidden_size / sizes["tensor"] * 4
+    copies = VOCAB_TABLE_COPIES if layout.weights == "zero3" else ZERO1_VOCAB_TABLE_COPIES
+    tables = copies * m.vocab_size * m.hidden_size / sizes["tensor"] * 4
     return saved + moe + logits + tables
+
+
+def _moe_bytes(cfg: Config, layout: Layout, t: float) -> float:
+    """One MoE layer's received rows and expert intermediates for `t` local tokens, in
+    moe.overlap_chunks chunks of them at a time."""
+    m, e = cfg.model, cfg.moe
+    t = t / max(e.overlap_chunks, 1)
+    width = compute_bytes(cfg)
+    intermediates = t * e.experts_per_token * (2 * e.expert_mlp_size / layout.sizes["tensor"]
+                                               + m.hidden_size) * 4
+    rows = moe_rows(cfg, layout, t)
+    if transport(cfg, layout) == "all_gather":
+        return rows * m.hidden_size * (width + 4) + intermediates
+    # send and receive buffers of the same slots, their float32 outputs
+    return rows * m.hidden_size * (2 * width + 4) + intermediates * rows / (
+        t * e.experts_per_token)
+
+
+def pipelined_bytes(cfg: Config, layout: Layout, t: float, layers: int) -> float:
+    """A pipelined run of `layers` layers (parallel/pipeline.py), `t` tokens per device per
+    step's microbatch: the stage inputs kept for the backward, one pipeline microbatch's rows
+    per iteration (PIPELINE_INPUT_COPIES of them, as compiled), one iteration's stage pass
+    (its slots' saved residuals under model.remat_policy) and its MoE layer's buffers."""
+    m = cfg.model
+    schedule = pipeline_schedule(m, layout.sizes["pipeline"])
+    width = compute_bytes(cfg)
+    t_mb = t / schedule.microbatches
+    stored = PIPELINE_INPUT_COPIES * schedule.iterations * t_mb * m.hidden_size * width
+    inner = (schedule.slots(layers) * t_mb * m.hidden_size * width
+             * SAVED_PER_LAYER[layout.remat])
+    return stored + inner + _moe_bytes(cfg, layout, t_mb)
 
 
 def gather_bytes(layout: Layout, gathered: dict[tuple[str, ...], int], width: int) -> dict:
