@@ -356,21 +356,35 @@ def pipelined_bytes(cfg: Config, layout: Layout, t: float, layers: int) -> float
     return stored + inner + _moe_bytes(cfg, layout, t_mb)
 
 
-def gather_bytes(layout: Layout, gathered: dict[tuple[str, ...], int], width: int) -> dict:
+def gather_bytes(layout: Layout, gathered: dict[tuple[str, ...], int], width: int,
+                 reads: int = 1) -> dict:
     """Elements each device receives per step when compute all-gathers the parameters stored
     over extra axes (StateBytes.gathered), by axis: the gather over a group of axes runs
     hierarchically, cross-host (DCN) axes first, where the pieces are smallest. zero3: per
-    microbatch, a forward and a backward gather in the compute dtype and the gradient
-    reduce-scatter in float32; zero1: once per step, the copy's gather and the gradients'
-    one reduction, both in the compute dtype."""
+    microbatch and per `reads` of the weights within one (`weight_reads`), a forward and a
+    backward gather in the compute dtype and the gradient reduce-scatter in float32; zero1:
+    once per step, the copy's gather and the gradients' one reduction, both in the compute
+    dtype."""
     per_axis: dict[str, float] = {}
     for axes, elements in gathered.items():
         running = elements
         for axis in sorted(axes, key=lambda a: layout.dcn[a] == 1):
             per_axis[axis] = per_axis.get(axis, 0.0) + (layout.sizes[axis] - 1) * running
             running *= layout.sizes[axis]
-    per_step = (2 * width + 4) * layout.microbatches if layout.weights == "zero3" else 2 * width
+    per_step = ((2 * width + 4) * layout.microbatches * reads if layout.weights == "zero3"
+                else 2 * width)
     return {a: n * per_step for a, n in per_axis.items()}
+
+
+def weight_reads(cfg: Config, layout: Layout) -> int:
+    """Times one microbatch reads the layers' weights, which zero3 gathers at each read: once
+    per pipeline iteration in a pipelined run (the layers its stages hold dominate), else once
+    per model.outer_microbatches row group (every layer runs on each group in turn)."""
+    m = cfg.model
+    schedule = pipeline_schedule(m, layout.sizes["pipeline"])
+    if any(schedule.pipelines(n) for _, _, n in layer_groups(m)):
+        return schedule.iterations
+    return m.outer_microbatches
 
 
 def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
@@ -385,7 +399,7 @@ def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
     width = compute_bytes(cfg)
     moe_layers = sum(n for is_moe, _, n in layer_groups(m) if is_moe) + m.mtp_depth
     ep, tp = sizes["expert"], sizes["tensor"]
-    sent = gather_bytes(layout, state.gathered, width)
+    sent = gather_bytes(layout, state.gathered, width, weight_reads(cfg, layout))
     if transport(cfg, layout) == "all_gather":
         tokens = 3 * (ep - 1) * t * m.hidden_size * (width + 4) * moe_layers
     else:

@@ -39,3 +39,38 @@ def test_zero1_gathers_once_per_step_and_holds_a_copy():
         assert abs(sent["zero1"][axis] / n - 4 / ((4 + 4) * 4)) < 1e-12
     assert {layout.weights for layout in search.layouts(cfg, origins, load_cluster("8xcpu"))} \
         == {"zero3", "zero1"}
+
+
+def test_zero3_gathers_at_every_pipeline_iteration_or_row_group():
+    """zero3 reads (so gathers) the layers' weights once per pipeline iteration (V M + P - 1)
+    in a pipelined run, once per model.outer_microbatches row group otherwise; zero1's copy
+    is made once per step whatever the schedule."""
+    items = ["precision.compute_dtype=bfloat16", "mesh.data=2", "mesh.fsdp=1", "mesh.expert=2",
+             "mesh.pipeline=2", "model.num_layers=9", "model.pipeline_schedule=circular",
+             "model.pipeline_repeats=2", "model.pipeline_microbatches=4",
+             "data.global_batch_size=32"]
+    cfg, origins = load_config(["configs/tiny.yaml"], items)
+    sizes = validate(cfg, 8, origins, 1)
+    assert search.weight_reads(cfg, search.Layout(sizes, dict.fromkeys(sizes, 1), "full", 1)) \
+        == 2 * 4 + 2 - 1
+    flat, _ = load_config(["configs/tiny.yaml"], ["model.outer_microbatches=2"])
+    sizes = validate(flat, 8, {}, 1)
+    assert search.weight_reads(flat, search.Layout(sizes, dict.fromkeys(sizes, 1), "full", 1)) == 2
+
+
+def test_the_shipped_671b_recipe_is_estimated_to_fit_and_pipelined_zero1_ranks_first():
+    """The pre-ranker on configs/experiments/deepseek_v3_2048xh800.yaml (14,336 sequences):
+    the recipe's own layout is estimated to fit (its XLA:GPU compile peaks at 47.0 GiB of
+    63.7: docs/performance/gpu.md), and the fastest fitting layout is a pipelined zero1 one,
+    not a zero3 layout that would gather each stage's weights at all 239 pipeline iterations.
+    (The pre-ranker once estimated every layout of this recipe at over 1 TiB a device.)"""
+    cfg, origins = load_config(["configs/models/deepseek_v3_671b.yaml",
+                                "configs/experiments/deepseek_v3_2048xh800.yaml"], [])
+    ranking = search.ranked(cfg, origins, load_cluster("2048xh800"))
+    shipped = [e for e in ranking.all if e.layout.weights == "zero1"
+               and e.layout.remat == "full" and e.layout.microbatches == 1
+               and e.layout.sizes == {"data": 1, "fsdp": 2, "pipeline": 16, "expert": 64,
+                                      "tensor": 1}]
+    assert shipped and all(e.fits for e in shipped)
+    best = ranking.fitting[0].layout
+    assert best.weights == "zero1" and best.sizes["pipeline"] > 1
