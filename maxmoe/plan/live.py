@@ -21,7 +21,7 @@ from maxmoe.bench import memory_line
 from maxmoe.cluster import Cluster, device_kind, kind_slug, load_cluster, load_device_kind
 from maxmoe.config import Config
 from maxmoe.plan.planner import describe
-from maxmoe.plan.probe import abstract_batch, compiled_figures
+from maxmoe.plan.probe import abstract_batch, compiled_figures, overlap_figures
 from maxmoe.plan.report import GIB, plan_figures
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
@@ -69,14 +69,27 @@ def memory_only_figures(measured: dict) -> dict:
     }
 
 
+def on_gpus(mesh) -> bool:
+    """Whether `mesh`'s devices are GPUs (real, or the deviceless compile's), whose compiled
+    schedule the overlap is read from (plan/overlap.py); elsewhere the plan assumes it."""
+    return mesh.devices.flat[0].platform in ("gpu", "cuda")
+
+
 def live_figures(setup: RunSetup, compiled, cluster: Cluster | None, compile_s: float) -> dict:
     """The plan's figures (report.plan_figures' keys, for train.steps) of the step compiled on
-    this job's devices, plus "memory" (XLA's analysis) and "device_kind"."""
-    measured = compiled_figures(setup, compiled, jax.local_device_count())
+    this job's devices, plus "memory" (XLA's analysis) and "device_kind". On GPUs with a
+    cluster to price, the exposed communication is read from the compiled schedule
+    (overlap_source "schedule"), as `maxmoe plan --compiler gpu` reads it."""
+    hlo = compiled.as_text()
+    measured = compiled_figures(setup, compiled, jax.local_device_count(), hlo)
     measured["compile_s"] = round(compile_s, 1)
     if cluster is None:
         figures = memory_only_figures(measured)
     else:
+        if on_gpus(setup.trainer.mesh):  # XLA:GPU's schedule says what overlaps: not assumed
+            measured["overlap"] = overlap_figures(hlo, setup.trainer.mesh,
+                                                  cluster.devices_per_host, cluster, measured,
+                                                  None)
         figures = plan_figures(measured, cluster, steps=setup.cfg.train.steps)
     figures.update(remat=measured["remat"], microbatches=measured["microbatches"],
                    memory=measured["memory"], device_kind=device_kind()[0])

@@ -14,8 +14,10 @@ import pytest
 pytest.importorskip("jax_plugins.xla_cuda12", reason="jax[cuda12] plugin not installed")
 pytest.importorskip("tokamax", reason="tokamax not installed")
 
+from maxmoe.cluster import load_cluster  # noqa: E402
+from maxmoe.plan import live  # noqa: E402
 from maxmoe.plan.gpu_aot import ragged_exchanges  # noqa: E402
-from maxmoe.plan.probe import compile_step  # noqa: E402
+from maxmoe.plan.probe import compile_step, compiled_figures, overlap_figures  # noqa: E402
 from maxmoe.train import step  # noqa: E402
 
 pytestmark = pytest.mark.gpu_aot
@@ -25,14 +27,22 @@ TINY = ["configs/tiny.yaml", "precision.compute_dtype=bfloat16", "mesh.data=2", 
         "moe.transport_rounds=1", "data.global_batch_size=32"]
 
 
+def compiled_with(chunks: int):
+    return compile_step([*TINY, f"moe.overlap_chunks={chunks}"], 16, 2, "gpu", "h100")[:2]
+
+
 def exchanges_of(chunks: int) -> list[dict]:
-    _, compiled, _ = compile_step([*TINY, f"moe.overlap_chunks={chunks}"], 16, 2, "gpu", "h100")
-    return ragged_exchanges(compiled.as_text())
+    return ragged_exchanges(compiled_with(chunks)[1].as_text())
 
 
 @pytest.fixture(scope="module")
-def exchanges():
-    return {chunks: exchanges_of(chunks) for chunks in (1, 2)}
+def compiles():
+    return {chunks: compiled_with(chunks) for chunks in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def exchanges(compiles):
+    return {chunks: ragged_exchanges(c.as_text()) for chunks, (_, c) in compiles.items()}
 
 
 def test_every_ragged_all_to_all_is_an_async_pair(exchanges):
@@ -50,3 +60,18 @@ def test_without_the_latency_hiding_scheduler_some_are_synchronous(monkeypatch):
     monkeypatch.setattr(step, "XLA_GPU_OPTIONS", {})
     found = exchanges_of(2)
     assert found and not all(r["async"] for r in found)
+
+
+def test_a_job_on_gpus_reads_its_overlap_from_the_schedule(compiles):
+    """plan/live.py (a real job's plan.json and --dry-run) on GPUs prices the exposed
+    communication from the compiled schedule, as `maxmoe plan --compiler gpu` does: the same
+    figure from the same compile; off GPUs it stays assumed (tests/train/test_resume.py)."""
+    setup, compiled = compiles[2]
+    cluster = load_cluster("16xh100")
+    figures = live.live_figures(setup, compiled, cluster, 1.0)
+    assert figures["overlap_source"] == "schedule"
+    hlo = compiled.as_text()
+    measured = compiled_figures(setup, compiled, cluster.devices_per_host, hlo)
+    expected = overlap_figures(hlo, setup.trainer.mesh, cluster.devices_per_host, cluster,
+                               measured, None)["exposed_communication_s"]
+    assert figures["exposed_communication_s"] == pytest.approx(expected, rel=1e-9)

@@ -56,6 +56,7 @@ def test_restart_is_bit_identical(tmp_path, monkeypatch):
     plan = json.loads((tmp_path / "straight" / "plan.json").read_text())
     assert CONTRACT <= set(plan), CONTRACT - set(plan)
     assert plan["fits"] is True and plan["mesh"]["fsdp"] == 2 and plan["devices"] == 8
+    assert plan["overlap_source"] == "assumed"  # CPU devices: no GPU schedule to read
     assert straight["plan_json_s"] is not None
     _, _, first = _run(tmp_path, "resumed", 3)
     _, _, second = _run(tmp_path, "resumed", 6)
