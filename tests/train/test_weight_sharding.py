@@ -128,9 +128,9 @@ def test_zero1_copy_outside_the_pipeline_is_whole_over_the_stages():
              "stage": ["pipeline"]}
     sizes = {"data": 1, "fsdp": 2, "pipeline": 2, "expert": 1, "tensor": 1}
     head = compute_axes(("embed", "vocab"), rules, sizes, (64, 256), "zero1", {})
-    dense = ("layers", "embed", "mlp"), (3, 64, 32)
-    unstaged = compute_axes(*dense, rules, sizes, "zero1", {}, staged=False)
-    staged = compute_axes(*dense, rules, sizes, "zero1", {}, staged=True)
+    dense = ("layers", "embed", "mlp")
+    unstaged = compute_axes(dense, rules, sizes, (3, 64, 32), "zero1", {}, staged=False)
+    staged = compute_axes(dense, rules, sizes, (3, 64, 32), "zero1", {}, staged=True)
     assert head == [(), ()] and unstaged == [(), (), ()]
     assert "pipeline" in {a for ax in staged for a in ax}
 
