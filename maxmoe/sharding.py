@@ -137,10 +137,11 @@ def spec(logical: Sequence[str | None], rules: dict[str, list[str]] | None = Non
     rules = rules if rules is not None else (_RULES.get() or {})
     mesh = _MESH.get()
     sizes = dict(mesh.shape) if mesh is not None else None
-    return _as_spec(dim_axes(logical, rules, sizes, shape))
+    return as_spec(dim_axes(logical, rules, sizes, shape))
 
 
-def _as_spec(axes: Sequence[tuple[str, ...]]) -> P:
+def as_spec(axes: Sequence[tuple[str, ...]]) -> P:
+    """Mesh axes per dim (compute_axes, dim_axes) -> a PartitionSpec."""
     return P(*(ax if len(ax) > 1 else (ax[0] if ax else None) for ax in axes))
 
 
@@ -225,14 +226,17 @@ def variable_axes(v, rules: Mapping[str, list[str]],
 
 def compute_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
                  sizes: Mapping[str, int], shape: Sequence[int], weights: str,
-                 dcn: Mapping[str, int] | None = None) -> list[tuple[str, ...]]:
+                 dcn: Mapping[str, int] | None = None,
+                 staged: bool | None = None) -> list[tuple[str, ...]]:
     """The mesh axes each dim of a param's compute copy is split over under mesh.weights:
 
     - zero3: its storage (`state_dim_axes`); compute gathers it at every use;
     - zero1: the rules' own axes as `copy_rules` leaves them (experts over the expert axis,
       tensor dims over tensor, the stack over the stages), replicated over the rest; a stack
       the stages do not divide (V3's 58 MoE layers on 16) keeps the stage axes where storage
-      puts them, so a device holds its stage's share, as `stack_source_spec` reads it;
+      puts them, so a device holds its stage's share, as `stack_source_spec` reads it; one
+      the pipeline does not run (`staged` False; None: not a stack) is replicated over them,
+      as they split its rows (else gathered at every outer row group);
     - hsdp: the rules' own axes but the data-parallel ones that span hosts (`copy_rules`),
       plus the storage axes that stay inside a host (DCN factor 1 in `dcn`), each on the dim
       storage puts it: gathered over NVLink per use, never across hosts.
@@ -241,7 +245,8 @@ def compute_axes(logical: Sequence[str | None], rules: Mapping[str, list[str]],
     if weights == "zero3":
         return stored
     own = dim_axes(logical, copy_rules(rules, weights, dcn or {}), sizes, shape)
-    keep = set(rules.get("stage", []))
+    staged = logical[:1] == ("layers",) if staged is None else staged
+    keep = set(rules.get("stage", [])) if staged else set()
     if weights == "hsdp":
         keep |= {a for a in sizes if (dcn or {}).get(a, 1) == 1}
     out, used = [], {a for ax in own for a in ax}
@@ -346,18 +351,18 @@ def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
     copy = _COPY.get()
     if copy is not None and sizes is not None:  # zero1 / hsdp: the compute copy's layout
         weights, dcn, stored_rules = copy
-        return _as_spec(compute_axes(logical, stored_rules, sizes, shape, weights, dcn))
+        return as_spec(compute_axes(logical, stored_rules, sizes, shape, weights, dcn))
     axes = dim_axes(logical, rules, sizes, shape)
     stage = [a for a in rules.get("stage", []) if sizes and sizes[a] > 1]
     if not stage or any(set(ax) & set(stage) for ax in axes):
-        return _as_spec(axes)
+        return as_spec(axes)
     stored, _ = variable_axes(variable, rules, sizes)
     for d, ax in enumerate(stored):
         if d and set(stage) <= set(ax):
             if shape[d] % math.prod(sizes[a] for a in (*axes[d], *stage)) == 0:
                 axes[d] = (*axes[d], *stage)
             break
-    return _as_spec(axes)
+    return as_spec(axes)
 
 
 def state_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]]):
@@ -369,20 +374,8 @@ def state_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]
     def one(v):
         if isinstance(v, nnx.Variable):
             axes, _ = variable_axes(v, rules, sizes)
-            return v.replace(NamedSharding(mesh, _as_spec(axes)))
+            return v.replace(NamedSharding(mesh, as_spec(axes)))
         return NamedSharding(mesh, P())
-
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def compute_shardings(state, mesh: Mesh | AbstractMesh, rules: dict[str, list[str]],
-                       weights: str, dcn: Mapping[str, int]):
-    """NamedSharding of every nnx.Variable's compute copy under mesh.weights (compute_axes)."""
-    sizes = dict(mesh.shape)
-
-    def one(v):
-        axes = compute_axes(param_axes(v), rules, sizes, v.get_value().shape, weights, dcn)
-        return v.replace(NamedSharding(mesh, _as_spec(axes)))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -24,6 +24,20 @@ def layer_groups(model: ModelConfig) -> list[tuple[bool, int, int]]:
     return groups
 
 
+def pipelined_path(model: ModelConfig, stages: int):
+    """path (a jax key path into the params, e.g. .layer_groups[1]...) -> whether the
+    pipeline runs that param on `stages` stages: a layer group it pipelines. The rest
+    (embedding, LM head, MTP, a dense prefix run on every stage) see their rows split over the
+    stage axes as over data."""
+    schedule = pipeline_schedule(model, stages)
+    piped = {i for i, (_, _, n) in enumerate(layer_groups(model)) if schedule.pipelines(n)}
+
+    def staged(path) -> bool:
+        keys = tuple(getattr(k, "key", k) for k in path)
+        return keys[:1] == ("layer_groups",) and keys[1] in piped
+    return staged
+
+
 def pipeline_idle(model: ModelConfig, stages: int) -> float:
     """The idle share of a stage (bubble and padding, PipelineSchedule.idle) for the largest
     pipelined group; the schedule's bubble where no group is pipelined, 0 for one stage."""

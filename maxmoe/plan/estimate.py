@@ -20,6 +20,7 @@ from flax import nnx
 
 from maxmoe.config import Config, stage_local_rules
 from maxmoe.model.router import RouterBias
+from maxmoe.model.spec import pipelined_path
 from maxmoe.model.transformer import build_model
 from maxmoe.sharding import compute_axes, dim_axes, param_axes, variable_axes
 from maxmoe.train.optimizer import make_optimizer
@@ -63,11 +64,11 @@ class StateBytes:
     copy_elements: int = 0  # parameter elements per device in a mesh.weights=zero1 copy
 
 
-def _per_device(v, cfg: Config, sizes: dict[str, int]) -> Leaf:
+def _per_device(v, cfg: Config, sizes: dict[str, int], staged: bool) -> Leaf:
     """An abstract nnx.Variable's Leaf (path left empty): per-device shape, split over every
     mesh axis?, and the axes compute all-gathers it over: those it is stored over beyond the
     rules' layout, and its rules axes that also split the batch (FSDP), but not the experts
-    dim's (the tokens travel to the experts)."""
+    dim's (the tokens travel to the experts). staged: the pipeline runs it (compute_axes)."""
     axes, unplaced = variable_axes(v, cfg.mesh.rules, sizes)
     value = v.get_value()
     shape = tuple(n // math.prod(sizes[a] for a in ax)
@@ -79,7 +80,7 @@ def _per_device(v, cfg: Config, sizes: dict[str, int]) -> Leaf:
                                                         value.shape), strict=True)
                for a in ax if a not in tokens or name == "experts"}  # tokens go to experts
     gathered = tuple(a for ax in axes for a in ax if a not in compute)
-    copy = compute_axes(logical, cfg.mesh.rules, sizes, value.shape, "zero1")
+    copy = compute_axes(logical, cfg.mesh.rules, sizes, value.shape, "zero1", staged=staged)
     copy_elements = math.prod(n // math.prod(sizes[a] for a in ax)
                               for n, ax in zip(value.shape, copy, strict=True))
     return Leaf("", shape, value.dtype, not unplaced, gathered, copy_elements)
@@ -87,7 +88,11 @@ def _per_device(v, cfg: Config, sizes: dict[str, int]) -> Leaf:
 
 def _variable_leaves(state, cfg: Config, sizes: dict[str, int]) -> dict[str, Leaf]:
     """{keystr of the pure-dict path: Leaf} for an nnx.State of abstract variables."""
-    tree = nnx.to_pure_dict(jax.tree.map(lambda v: _per_device(v, cfg, sizes), state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    staged = pipelined_path(cfg.model, math.prod(sizes[a] for a in cfg.mesh.rules.get(
+        "stage", [])))
+    tree = nnx.to_pure_dict(jax.tree_util.tree_map_with_path(
+        lambda path, v: _per_device(v, cfg, sizes, staged(path)), state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable)))
     return {jax.tree_util.keystr(path): dataclasses.replace(leaf, path=jax.tree_util.keystr(path))
             for path, leaf in jax.tree_util.tree_leaves_with_path(
                 tree, is_leaf=lambda x: isinstance(x, Leaf))}

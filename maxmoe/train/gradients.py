@@ -23,9 +23,10 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
+from maxmoe.model.spec import pipelined_path
 from maxmoe.model.transformer import DTYPES, LossShare, load_summary, loss_token_counts
 from maxmoe.parallel.row_groups import combine_stacked
-from maxmoe.sharding import compute_copy, compute_shardings, copy_groups, param_axes
+from maxmoe.sharding import as_spec, compute_axes, compute_copy, copy_groups, param_axes
 from maxmoe.train.precision import make_loss_scaler
 from maxmoe.validation import dcn_sizes
 
@@ -78,8 +79,7 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
     if cfg.mesh.weights == "zero3":
         return None
     dcn = dcn_sizes(cfg)
-    copy = nnx.to_pure_dict(compute_shardings(abstract_vars, mesh, cfg.mesh.rules,
-                                              cfg.mesh.weights, dcn))
+    copy = nnx.to_pure_dict(compute_shardings(cfg, mesh, abstract_vars, dcn))
     compute = DTYPES[cfg.precision.compute_dtype]
     dtypes = nnx.to_pure_dict(jax.tree.map(
         lambda v: v.replace(jnp.float32 if v.get_metadata().get("compute_float32") else compute),
@@ -101,6 +101,23 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
         if s else c, copy, stacked, sub)
     return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas,
                        sub, sub_groups, math.prod(mesh.shape[a] for a in sub_groups))
+
+
+def compute_shardings(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, dcn):
+    """NamedSharding of every nnx.Variable's compute copy (sharding.compute_axes): staged (split
+    over the stage axes where storage puts them) only the layer groups the pipeline runs;
+    the rest (embedding, LM head, MTP, a dense prefix) run where the stage axes split their
+    rows, so a copy split over them would be gathered at every outer row group."""
+    staged = pipelined_path(cfg.model, math.prod(mesh.shape[a]
+                                                 for a in cfg.mesh.rules.get("stage", [])))
+
+    def one(path, v):
+        axes = compute_axes(param_axes(v), cfg.mesh.rules, dict(mesh.shape),
+                            v.get_value().shape, cfg.mesh.weights, dcn, staged(path))
+        return v.replace(NamedSharding(mesh, as_spec(axes)))
+
+    return jax.tree_util.tree_map_with_path(one, abstract_vars,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def sublayer_replicas(cfg: Config, mesh, abstract_vars, copy, stacked):

@@ -33,6 +33,13 @@ LAYOUTS = {
     "pipeline2_expert2_fsdp2": ["model.num_layers=5", "mesh.pipeline=2", "mesh.expert=2",
                                 "mesh.fsdp=2", "model.pipeline_microbatches=4",
                                 "data.global_batch_size=32"],
+    # the recipe's storage over the stages (mesh.rules embed: [fsdp, pipeline]) with the
+    # work outside the pipeline in row groups: the dense layer, embedding and LM head run
+    # on a copy replicated over the stages (sharding.compute_axes, staged False)
+    "pipeline2_outer_rows": ["model.num_layers=5", "mesh.pipeline=2", "mesh.expert=2",
+                             "mesh.fsdp=2", "model.pipeline_microbatches=4",
+                             "data.global_batch_size=32", "model.outer_microbatches=2",
+                             "mesh.rules.embed=[fsdp, pipeline]"],
 }
 
 
@@ -67,7 +74,8 @@ def reference():
 # hsdp where it differs from both zero3 and zero1: fsdp across hosts, expert inside (on the
 # other layouts every axis is inside one host, where hsdp's copy is the stored layout)
 CASES = [("data2_fsdp2_expert2", "zero1"), ("fsdp2dcn_expert4", "zero1"),
-         ("fsdp2dcn_expert4", "hsdp"), ("pipeline2_expert2_fsdp2", "zero1")]
+         ("fsdp2dcn_expert4", "hsdp"), ("pipeline2_expert2_fsdp2", "zero1"),
+         ("pipeline2_outer_rows", "zero1")]
 
 
 @pytest.mark.parametrize("name, weights", CASES)
@@ -109,6 +117,22 @@ def test_stack_keeps_its_stages_under_zero1():
     axes = compute_axes(logical, rules, sizes, shape, "zero1", {})
     assert axes[0] == () and "pipeline" in {a for ax in axes for a in ax}
     assert all("fsdp" not in ax for ax in axes)
+
+
+def test_zero1_copy_outside_the_pipeline_is_whole_over_the_stages():
+    """Stored over the stages (rules embed: [fsdp, pipeline]): a param outside the stacks
+    (the LM head) and a stack the pipeline does not run (staged False: a dense prefix) get a
+    zero1 copy replicated over them, as over fsdp (else gathered at every outer row group);
+    a pipelined stack keeps them."""
+    rules = {"embed": ["fsdp", "pipeline"], "vocab": ["tensor"], "layers": ["pipeline"],
+             "stage": ["pipeline"]}
+    sizes = {"data": 1, "fsdp": 2, "pipeline": 2, "expert": 1, "tensor": 1}
+    head = compute_axes(("embed", "vocab"), rules, sizes, (64, 256), "zero1", {})
+    dense = ("layers", "embed", "mlp")
+    unstaged = compute_axes(dense, rules, sizes, (3, 64, 32), "zero1", {}, staged=False)
+    staged = compute_axes(dense, rules, sizes, (3, 64, 32), "zero1", {}, staged=True)
+    assert head == [(), ()] and unstaged == [(), (), ()]
+    assert "pipeline" in {a for ax in staged for a in ax}
 
 
 @pytest.mark.parametrize("weights", ["zero1", "hsdp"])
