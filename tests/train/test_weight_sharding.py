@@ -70,6 +70,25 @@ CASES = [("data2_fsdp2_expert2", "zero1"), ("fsdp2dcn_expert4", "zero1"),
          ("fsdp2dcn_expert4", "hsdp"), ("pipeline2_expert2_fsdp2", "zero1")]
 
 
+# the outer part over 2 row groups with MTP: the head and final norms on the copy's outer
+# replicas (ComputeCopy.outer), the head chunked (model.lm_loss_chunk) and whole
+OUTER = ["model.mtp_depth=1", "model.outer_microbatches=2", "data.global_batch_size=32"]
+
+
+@pytest.mark.parametrize("name", ["data2_fsdp2_expert2", "pipeline2_expert2_fsdp2"])
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_zero1_outer_replicas_match_one_device(name, chunk, reference):
+    """zero1 with the LM head and final norms on one replica per batch-axis group (their
+    gradients added once per step) equals one device: loss within 1e-5 relative, gradients
+    as test_weight_modes_match_one_device's."""
+    model = (*OUTER, f"model.lm_loss_chunk={chunk}")
+    layers = tuple(o for o in LAYOUTS[name] if o.startswith(("model.", "data."))) + model
+    batch, (ref_loss, ref_grads) = reference(layers)
+    loss, grads = gradients([*ACCUM, *LAYOUTS[name], *model, "mesh.weights=zero1"], batch, 8)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_grads_close(grads, ref_grads)
+
+
 @pytest.mark.parametrize("name, weights", CASES)
 def test_weight_modes_match_one_device(name, weights, reference):
     layers = tuple(o for o in LAYOUTS[name] if o.startswith(("model.", "data.")))
