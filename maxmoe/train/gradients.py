@@ -109,11 +109,16 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
                                                + tuple(c.spec[1:]) if e else c.spec))
         if s else c, copy, stacked, sub)
     outer, outer_axes = outer_params(cfg, mesh, copy, cfg.precision.fp8 == "none")
-    copy = jax.tree.map(lambda c, o: NamedSharding(mesh, P(outer_axes, *c.spec)) if o else c,
-                        copy, outer)
+    copy = jax.tree.map(lambda c, o: NamedSharding(mesh, P(outer_axes, *(
+        _without(e, outer_axes) for e in c.spec))) if o else c, copy, outer)
     return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas,
                        sub, sub_groups, math.prod(mesh.shape[a] for a in sub_groups), outer,
                        outer_axes, math.prod(mesh.shape[a] for a in outer_axes))
+
+
+def _without(entry, axes) -> tuple:
+    """A spec entry (None, an axis, a tuple of axes) as a tuple without `axes`."""
+    return tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
 
 
 # the params the LM loss reads inside the outer row-group scan (Transformer._lm_loss): the
@@ -124,8 +129,10 @@ OUTER = ("lm_head", "final_norm")
 def outer_params(cfg: Config, mesh, copy, on: bool):
     """(per param: whether the copy holds one replica of it per group of the outer axes, those
     axes): the LM head and final norms (OUTER), over the batch axes (size > 1) that split the
-    outer rows and that no such param's copy is split over, the leading ones in the batch
-    split (so each group's rows lie on its devices). Why: the LM loss runs vmapped over them
+    outer rows and that no such param's copy is split over but the stage axes (compute_axes
+    keeps those where storage puts them; these copies drop them, else each row group would
+    reduce-scatter their gradients over the stages), the leading ones in the batch split (so
+    each group's rows lie on its devices). Why: the LM loss runs vmapped over them
     (parallel/replicas.py on_outer_replicas), so no row group all-reduces their gradients.
     Off (all False, ()) where `on` is not (precision.fp8), or the groups would be 1."""
     def mine(path, _):
@@ -133,8 +140,9 @@ def outer_params(cfg: Config, mesh, copy, on: bool):
         return keys[0] in OUTER or keys[:1] == ["mtp"] and keys[2:3] == ["final_norm"]
 
     outer = jax.tree_util.tree_map_with_path(mine, copy)
+    stages = set(cfg.mesh.rules.get("stage", []))  # where the copy keeps them, dropped
     used = {a for c, o in zip(jax.tree.leaves(copy), jax.tree.leaves(outer), strict=True)
-            if o for ax in c.spec if ax for a in ((ax,) if isinstance(ax, str) else ax)}
+            if o for e in c.spec for a in _without(e, stages)}
     axes = []
     for a in (a for a in cfg.mesh.rules.get("batch", []) if mesh.shape[a] > 1):
         if a in used:
