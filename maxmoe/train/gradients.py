@@ -8,7 +8,9 @@ so the reduction over the data-parallel axes runs once per step rather than per 
 The copy of the stacked (layer-scanned) params holds one replica per data-parallel device
 group (sharding.copy_groups), which the stacks run vmapped over (parallel/replicas.py), so no
 layer's gradient is reduced over those axes inside the scans either: the replicas' float32
-sums are added once per step (`ComputeCopy.write`).
+sums are added once per step (`ComputeCopy.write`). So are those of the LM head and final
+norms, held one replica per group of the batch axes (`outer_params`), so the outer part's
+row-group scan reduces none of their gradients either.
 """
 
 from __future__ import annotations

@@ -204,3 +204,20 @@ def test_zero1_copy_holds_no_replicas_under_fp8():
     sizes = validate(cfg, 8, origins)
     copy = state_layout(cfg, make_mesh(sizes, jax.devices()[:8])).compute
     assert copy.replicas == 1 and copy.groups == () and not any(jax.tree.leaves(copy.stacked))
+    assert copy.outer_groups == () and not any(jax.tree.leaves(copy.outer))
+
+
+def test_zero1_copy_holds_batch_group_replicas_of_the_head_and_final_norms():
+    """The copy of the LM head and final norms (the main one and MTP's) is [Go, ...], Go the
+    groups of every batch axis (data x fsdp x expert), split over them (the LM loss runs
+    vmapped over them: replicas.py on_outer_replicas); no other param is."""
+    overrides = [*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "mesh.weights=zero1", *OUTER]
+    cfg, origins = small_config(*overrides)
+    copy = state_layout(cfg, make_mesh(validate(cfg, 8, origins), jax.devices()[:8])).compute
+    assert copy.outer_groups == ("data", "fsdp", "expert") and copy.outer_replicas == 8
+    found = {jax.tree_util.keystr(path): tuple(s.spec) for (path, o), s in zip(
+        jax.tree_util.tree_leaves_with_path(copy.outer), jax.tree.leaves(copy.shardings),
+        strict=True) if o}
+    groups = (("data", "fsdp", "expert"),)
+    assert found == {"['lm_head']": (*groups, None, None), "['final_norm']['scale']": (*groups, None),
+                     "['mtp'][0]['final_norm']['scale']": (*groups, None)}, found
