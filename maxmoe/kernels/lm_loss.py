@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxmoe.sharding import shard
+from maxmoe.sharding import current_mesh, spec
 
 
 def _chunks(a, chunk: int):
@@ -27,16 +27,29 @@ def _chunks(a, chunk: int):
     return jnp.moveaxis(a.reshape(b, s // chunk, chunk, *a.shape[2:]), 1, 0)
 
 
-def _logits(x, w):
+def _logits(x, w, specs):
     logits = jnp.einsum("bcd,dv->bcv", x, w, preferred_element_type=jnp.float32)
-    return shard(logits, ("batch", "seq", "act_vocab"))
+    return _constrained(logits, specs, 0)
+
+
+def _constrained(a, specs, which: int):
+    """a constrained to specs[which] (_specs), as is where there is no mesh."""
+    return a if specs is None else jax.lax.with_sharding_constraint(a, specs[which])
+
+
+def _specs():
+    """The specs of the logits ("batch", "seq", "act_vocab") and of the head ("embed",
+    "vocab") under the rules where the loss is called: the custom_vjp's backward is traced
+    later, outside any rules the caller set (a vmap over replicas: parallel/replicas.py)."""
+    if current_mesh() is None:
+        return None
+    return spec(("batch", "seq", "act_vocab")), spec(("embed", "vocab"))
 
 
 def _is_target(targets, vocab: int):
     return jnp.arange(vocab, dtype=targets.dtype) == targets[..., None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def chunked_lm_loss(x, w, targets, mask, chunk: int):
     """Sum over positions of mask x cross-entropy(x @ w, targets), in float32.
 
@@ -44,13 +57,18 @@ def chunked_lm_loss(x, w, targets, mask, chunk: int):
     mask [B, S] float32; chunk divides S. Equals the unchunked LM head + cross-entropy; no
     [B, S, V] array is formed, forward or backward.
     """
-    return _forward(x, w, targets, mask, chunk)[0]
+    return _chunked(x, w, targets, mask, chunk, _specs())
 
 
-def _forward(x, w, targets, mask, chunk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked(x, w, targets, mask, chunk: int, specs):
+    return _forward(x, w, targets, mask, chunk, specs)[0]
+
+
+def _forward(x, w, targets, mask, chunk, specs):
     def body(total, xs):
         xc, tc, mc = xs
-        logits = _logits(xc, w)
+        logits = _logits(xc, w, specs)
         lse = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.sum(jnp.where(_is_target(tc, w.shape[1]), logits, 0.0), axis=-1)
         return total + jnp.sum((lse - target_logit) * mc), lse
@@ -60,32 +78,32 @@ def _forward(x, w, targets, mask, chunk):
     return total, lse
 
 
-def _fwd(x, w, targets, mask, chunk):
-    total, lse = _forward(x, w, targets, mask, chunk)
+def _fwd(x, w, targets, mask, chunk, specs):
+    total, lse = _forward(x, w, targets, mask, chunk, specs)
     return total, (x, w, targets, mask, lse)
 
 
-def _bwd(chunk, res, g):
+def _bwd(chunk, specs, res, g):
     x, w, targets, mask, lse = res
 
     def body(dw, xs):
         xc, tc, mc, lc = xs
-        probs = jnp.exp(_logits(xc, w) - lc[..., None])
+        probs = jnp.exp(_logits(xc, w, specs) - lc[..., None])
         dlogits = (probs - _is_target(tc, w.shape[1])) * (mc * g)[..., None]
         dx = jnp.einsum("bcv,dv->bcd", dlogits.astype(w.dtype), w,
                         preferred_element_type=jnp.float32)
         dw = dw + jnp.einsum("bcd,bcv->dv", xc, dlogits.astype(xc.dtype),
                              preferred_element_type=jnp.float32)
         # split like the head itself: the float32 sum is the head's size, not per device
-        return shard(dw, ("embed", "vocab")), dx.astype(x.dtype)
+        return _constrained(dw, specs, 1), dx.astype(x.dtype)
 
-    dw, dx = jax.lax.scan(body, shard(jnp.zeros(w.shape, jnp.float32), ("embed", "vocab")),
+    dw, dx = jax.lax.scan(body, _constrained(jnp.zeros(w.shape, jnp.float32), specs, 1),
                           (_chunks(x, chunk), _chunks(targets, chunk), _chunks(mask, chunk), lse))
     dx = jnp.moveaxis(dx, 0, 1).reshape(x.shape)
     return dx, dw.astype(w.dtype), None, None
 
 
-chunked_lm_loss.defvjp(_fwd, _bwd)
+_chunked.defvjp(_fwd, _bwd)
 
 
 @jax.custom_vjp

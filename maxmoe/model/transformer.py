@@ -17,12 +17,13 @@ from flax import nnx
 from maxmoe.config import AttentionConfig, Config, ModelConfig, MoEConfig
 from maxmoe.kernels.lm_loss import chunked_lm_loss, cross_entropy, lm_head_matmul
 from maxmoe.model.block import Block, maybe_remat, run_stack, stacked_blocks
-from maxmoe.model.layers import Embed, RMSNorm, param
+from maxmoe.model.layers import Embed, RMSNorm, param, rms_norm
 from maxmoe.model.moe import MoE
 from maxmoe.model.mtp import MTPLayer, shift_left
 from maxmoe.model.router import switch_balance_loss, updated_bias
 from maxmoe.model.spec import layer_groups
 from maxmoe.parallel.pipeline import num_stages
+from maxmoe.parallel.replicas import on_outer_replicas
 from maxmoe.parallel.row_groups import over_row_groups
 from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.sharding import shard
@@ -120,12 +121,12 @@ class Transformer(nnx.Module):
             aux.update({k: _join(moe_auxs, k) for k in moe_auxs[0]})
         return x, aux
 
-    def head_weight(self) -> jax.Array:
-        """The LM head [D, V] in the compute dtype, cast where it is still split by its
-        ("embed", "vocab") rules: whatever gathers it for the matmul then moves and holds the
-        compute dtype, not a float32 [D, V] copy."""
-        return shard(shard(self.lm_head[...], ("embed", "vocab")).astype(self.dtype),
-                     ("embed", "vocab"))
+    def head_weight(self, head: jax.Array | None = None) -> jax.Array:
+        """The LM head [D, V] (`head`, default the model's) in the compute dtype, cast where
+        it is still split by its ("embed", "vocab") rules: whatever gathers it for the matmul
+        then moves and holds the compute dtype, not a float32 [D, V] copy."""
+        head = self.lm_head[...] if head is None else head
+        return shard(shard(head, ("embed", "vocab")).astype(self.dtype), ("embed", "vocab"))
 
     def logits(self, x: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
         """x [B, S, D] -> logits [B, S, V] float32 (final norm, then the LM head)."""
@@ -138,14 +139,23 @@ class Transformer(nnx.Module):
                  tokens: jax.Array | None = None) -> jax.Array:
         """Cross-entropy of the LM head on x [B, S, D] summed over the real targets (mask),
         divided by `tokens` (default: their count); model.lm_loss_chunk > 0 runs head and loss
-        chunk by chunk (kernels/lm_loss.py)."""
-        chunk = self.cfg.lm_loss_chunk
-        if not chunk:
-            return cross_entropy(self.logits(x, norm), targets, mask, tokens)
-        with jax.named_scope("lm_head"):
-            h = (norm or self.final_norm)(x)
-            total = chunked_lm_loss(h, self.head_weight(), targets, mask,
-                                    chunk)
+        chunk by chunk (kernels/lm_loss.py). Run on the compute copy's replicas of the head
+        and norm where it holds them (replicas.on_outer_replicas: their gradients are then
+        reduced once per step, not once per row group)."""
+        norm, chunk = norm or self.final_norm, self.cfg.lm_loss_chunk
+
+        def summed(weights, x, targets, mask):  # the CE summed over these rows' real targets
+            head, scale = weights
+            with jax.named_scope("lm_head"):
+                h = rms_norm(x, scale, norm.eps)
+                if chunk:
+                    return chunked_lm_loss(h, self.head_weight(head), targets, mask, chunk)
+                logits = shard(lm_head_matmul(h, self.head_weight(head)),
+                               ("batch", "seq", "act_vocab"))
+            return cross_entropy(logits, targets, mask, 1.0)
+
+        total = on_outer_replicas(summed, (self.lm_head[...], norm.scale[...]), x, targets,
+                                  mask)
         return total / jnp.maximum(jnp.sum(mask) if tokens is None else tokens, 1.0)
 
     def __call__(self, tokens, segment_ids, positions):

@@ -18,10 +18,18 @@ as well ([G, L, Ge, ...]: train/gradients.py sublayer_replicas), and inside each
 sublayers that read them (norms, attention, router, shared experts) run vmapped over those
 replicas, each expert group on its own rows (`on_sublayer_replicas`), the routed experts'
 shard_map between them on every group's tokens.
+
+The params the outer part reads inside its row-group scan (model.outer_microbatches: the LM
+head and the final norms, parallel/row_groups.py) are replicated over every axis that splits
+the outer rows, so their gradients were all-reduced over all of them once per row group. The
+copy holds one replica of those per group of those axes too ([G, ...]: ComputeCopy.outer),
+and the head's loss runs vmapped over them (`on_outer_replicas`), each group on its rows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -120,3 +128,35 @@ def stack_source(var) -> P:
         return stack_source_spec(var)
     one = tuple(stack_source_spec(var.replace(var.get_value()[:, 0])))
     return P(*(*one, None)[:1], replica_axes(sublayers=True), *one[1:])
+
+
+# the mesh axes the compute copy holds the outer params' replicas over (outer_replicas)
+_OUTER: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("outer", default=())
+
+
+@contextlib.contextmanager
+def outer_replicas(axes: tuple[str, ...]):
+    """While the step traces on a compute copy whose outer params (ComputeCopy.outer) hold one
+    replica per group of mesh `axes` ([G, ...]), on_outer_replicas runs over them."""
+    token = _OUTER.set(tuple(axes))
+    try:
+        yield
+    finally:
+        _OUTER.reset(token)
+
+
+def on_outer_replicas(fn, params, *rows):
+    """fn(params, *rows) -> a pytree of sums over rows, run once per replica of `params` where
+    the copy holds the outer params' replicas (outer_replicas: each leaf [G, ...]), each group
+    on its block of rows [B/G, ...] (the outer axes lead the batch split, so the blocks lie
+    where they are), vmapped with spmd_axis_name: each replica's gradient is then summed over
+    its group's rows alone, and the replicas' are added once per step (ComputeCopy.write),
+    not all-reduced once per row group. Elsewhere fn itself. Returns the sums over groups."""
+    axes = _OUTER.get()
+    if not axes:
+        return fn(params, *rows)
+    g = math.prod(current_mesh().shape[a] for a in axes)
+    with within_replicas(axes):
+        out = jax.vmap(fn, spmd_axis_name=axes if len(axes) > 1 else axes[0])(
+            params, *(a.reshape(g, a.shape[0] // g, *a.shape[1:]) for a in rows))
+    return jax.tree.map(lambda a: jnp.sum(a, axis=0), out)

@@ -8,7 +8,9 @@ so the reduction over the data-parallel axes runs once per step rather than per 
 The copy of the stacked (layer-scanned) params holds one replica per data-parallel device
 group (sharding.copy_groups), which the stacks run vmapped over (parallel/replicas.py), so no
 layer's gradient is reduced over those axes inside the scans either: the replicas' float32
-sums are added once per step (`ComputeCopy.write`).
+sums are added once per step (`ComputeCopy.write`). So are those of the LM head and final
+norms, held one replica per group of the batch axes (`outer_params`), so the outer part's
+row-group scan reduces none of their gradients either.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from maxmoe.config import Config
 from maxmoe.model.spec import pipelined_path
 from maxmoe.model.transformer import DTYPES, LossShare, load_summary, loss_token_counts
+from maxmoe.parallel.replicas import outer_replicas
 from maxmoe.parallel.row_groups import combine_stacked
 from maxmoe.sharding import as_spec, compute_axes, compute_copy, copy_groups, param_axes
 from maxmoe.train.precision import make_loss_scaler
@@ -50,6 +53,11 @@ class ComputeCopy:
     sublayer: Any = None
     sublayer_groups: tuple = ()  # the expert axes of those replicas (size > 1)
     sublayer_replicas: int = 1  # Ge
+    # per param: whether the copy holds one replica of it per group of outer_groups, [Go, ...]
+    # (the params the LM loss reads inside the row-group scan: outer_params)
+    outer: Any = None
+    outer_groups: tuple = ()  # the batch axes of those replicas (size > 1): outer_params
+    outer_replicas: int = 1  # Go
 
     def read(self, params):
         """The float32 params (state layout) -> the copy: cast, and each stacked param
@@ -59,6 +67,8 @@ class ComputeCopy:
         params = jax.tree.map(lambda p, s, e: self._replicated(p) if s and e else
                               jnp.broadcast_to(p, (self.replicas, *p.shape)) if s else p,
                               params, self.stacked, self.sublayer)
+        params = jax.tree.map(lambda p, o: jnp.broadcast_to(p, (self.outer_replicas, *p.shape))
+                              if o else p, params, self.outer)
         return _constrained(params, self.shardings)
 
     def _replicated(self, p):  # [L, ...] -> [G, L, Ge, ...]
@@ -67,9 +77,10 @@ class ComputeCopy:
 
     def write(self, grads):
         """Gradients of the copy -> the state's layout, the replicas' gradients added: the one
-        reduction over the replica axes of the stacked params' gradients."""
-        grads = jax.tree.map(lambda g, s, e: jnp.sum(g, axis=(0, 2)) if s and e else
-                             jnp.sum(g, axis=0) if s else g, grads, self.stacked, self.sublayer)
+        reduction over the replica axes of the stacked and outer params' gradients."""
+        grads = jax.tree.map(lambda g, s, e, o: jnp.sum(g, axis=(0, 2)) if s and e else
+                             jnp.sum(g, axis=0) if s or o else g, grads, self.stacked,
+                             self.sublayer, self.outer)
         return _constrained(grads, self.stored)
 
 
@@ -99,8 +110,49 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
         lambda c, s, e: NamedSharding(mesh, P(groups, *((*c.spec, None)[:1], sub_groups)
                                                + tuple(c.spec[1:]) if e else c.spec))
         if s else c, copy, stacked, sub)
+    outer, outer_axes = outer_params(cfg, mesh, copy, cfg.precision.fp8 == "none")
+    copy = jax.tree.map(lambda c, o: NamedSharding(mesh, P(outer_axes, *(
+        _without(e, outer_axes) for e in c.spec))) if o else c, copy, outer)
     return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas,
-                       sub, sub_groups, math.prod(mesh.shape[a] for a in sub_groups))
+                       sub, sub_groups, math.prod(mesh.shape[a] for a in sub_groups), outer,
+                       outer_axes, math.prod(mesh.shape[a] for a in outer_axes))
+
+
+def _without(entry, axes) -> tuple:
+    """A spec entry (None, an axis, a tuple of axes) as a tuple without `axes`."""
+    return tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+
+
+# the params the LM loss reads inside the outer row-group scan (Transformer._lm_loss): the
+# head, the final norm, and each MTP depth's final norm (mtp/<k>/final_norm)
+OUTER = ("lm_head", "final_norm")
+
+
+def outer_params(cfg: Config, mesh, copy, on: bool):
+    """(per param: whether the copy holds one replica of it per group of the outer axes, those
+    axes): the LM head and final norms (OUTER), over the batch axes (size > 1) that split the
+    outer rows and that no such param's copy is split over but the stage axes (compute_axes
+    keeps those where storage puts them; these copies drop them, else each row group would
+    reduce-scatter their gradients over the stages), the leading ones in the batch split (so
+    each group's rows lie on its devices). Why: the LM loss runs vmapped over them
+    (parallel/replicas.py on_outer_replicas), so no row group all-reduces their gradients.
+    Off (all False, ()) where `on` is not (precision.fp8), or the groups would be 1."""
+    def mine(path, _):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        return keys[0] in OUTER or keys[:1] == ["mtp"] and keys[2:3] == ["final_norm"]
+
+    outer = jax.tree_util.tree_map_with_path(mine, copy)
+    stages = set(cfg.mesh.rules.get("stage", []))  # where the copy keeps them, dropped
+    used = {a for c, o in zip(jax.tree.leaves(copy), jax.tree.leaves(outer), strict=True)
+            if o for e in c.spec for a in _without(e, stages)}
+    axes = []
+    for a in (a for a in cfg.mesh.rules.get("batch", []) if mesh.shape[a] > 1):
+        if a in used:
+            break
+        axes.append(a)
+    if not on or not axes:
+        return jax.tree.map(lambda _: False, outer), ()
+    return outer, tuple(axes)
 
 
 def compute_shardings(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, dcn):
@@ -189,7 +241,8 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | Non
         return gradients
 
     def on_copy(params, batch, buffers, scale_state):
-        with compute_copy(copy.weights, copy.dcn, copy.groups, copy.sublayer_groups):
+        with compute_copy(copy.weights, copy.dcn, copy.groups, copy.sublayer_groups), \
+                outer_replicas(copy.outer_groups):
             grads, metrics = gradients(copy.read(params), batch, buffers, scale_state)
         return copy.write(grads), metrics
 

@@ -78,6 +78,25 @@ CASES = [("data2_fsdp2_expert2", "zero1"), ("fsdp2dcn_expert4", "zero1"),
          ("pipeline2_outer_rows", "zero1")]
 
 
+# the outer part over 2 row groups with MTP: the head and final norms on the copy's outer
+# replicas (ComputeCopy.outer), the head chunked (model.lm_loss_chunk) and whole
+OUTER = ["model.mtp_depth=1", "model.outer_microbatches=2", "data.global_batch_size=32"]
+
+
+@pytest.mark.parametrize("name", ["data2_fsdp2_expert2", "pipeline2_expert2_fsdp2"])
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_zero1_outer_replicas_match_one_device(name, chunk, reference):
+    """zero1 with the LM head and final norms on one replica per batch-axis group (their
+    gradients added once per step) equals one device: loss within 1e-5 relative, gradients
+    as test_weight_modes_match_one_device's."""
+    model = (*OUTER, f"model.lm_loss_chunk={chunk}")
+    layers = tuple(o for o in LAYOUTS[name] if o.startswith(("model.", "data."))) + model
+    batch, (ref_loss, ref_grads) = reference(layers)
+    loss, grads = gradients([*ACCUM, *LAYOUTS[name], *model, "mesh.weights=zero1"], batch, 8)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_grads_close(grads, ref_grads)
+
+
 @pytest.mark.parametrize("name, weights", CASES)
 def test_weight_modes_match_one_device(name, weights, reference):
     layers = tuple(o for o in LAYOUTS[name] if o.startswith(("model.", "data.")))
@@ -209,3 +228,20 @@ def test_zero1_copy_holds_no_replicas_under_fp8():
     sizes = validate(cfg, 8, origins)
     copy = state_layout(cfg, make_mesh(sizes, jax.devices()[:8])).compute
     assert copy.replicas == 1 and copy.groups == () and not any(jax.tree.leaves(copy.stacked))
+    assert copy.outer_groups == () and not any(jax.tree.leaves(copy.outer))
+
+
+def test_zero1_copy_holds_batch_group_replicas_of_the_head_and_final_norms():
+    """The copy of the LM head and final norms (the main one and MTP's) is [Go, ...], Go the
+    groups of every batch axis (data x fsdp x expert), split over them (the LM loss runs
+    vmapped over them: replicas.py on_outer_replicas); no other param is."""
+    overrides = [*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "mesh.weights=zero1", *OUTER]
+    cfg, origins = small_config(*overrides)
+    copy = state_layout(cfg, make_mesh(validate(cfg, 8, origins), jax.devices()[:8])).compute
+    assert copy.outer_groups == ("data", "fsdp", "expert") and copy.outer_replicas == 8
+    found = {jax.tree_util.keystr(path): tuple(s.spec) for (path, o), s in zip(
+        jax.tree_util.tree_leaves_with_path(copy.outer), jax.tree.leaves(copy.shardings),
+        strict=True) if o}
+    groups = (("data", "fsdp", "expert"),)
+    assert found == {"['lm_head']": (*groups, None, None), "['final_norm']['scale']": (*groups, None),
+                     "['mtp'][0]['final_norm']['scale']": (*groups, None)}, found
