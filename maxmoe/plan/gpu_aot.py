@@ -185,6 +185,8 @@ def unknown_trip_loops(hlo_text: str) -> list[str]:
 # the MoE grouped GEMM's scope (kernels/grouped_matmul.py): the expert compute an exchange of
 # another token chunk can hide under (moe.overlap_chunks)
 _GROUPED_SCOPE = "grouped_matmul"
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                "collective-permute")
 
 
 def ragged_exchanges(hlo_text: str) -> list[dict]:
@@ -205,7 +207,7 @@ def ragged_exchanges(hlo_text: str) -> list[dict]:
                 for row in open_.values():
                     row["ops_between"] += 1
                     row["gemms_between"] += _GROUPED_SCOPE in (attr(ins.attrs, "metadata") or "")
-                    row["starts_between"] += ins.opcode.endswith("-start")
+                    row["starts_between"] += ins.opcode.removesuffix("-start") in _COLLECTIVES
             if ins.opcode in ("ragged-all-to-all", "ragged-all-to-all-start"):
                 start = ins.opcode.endswith("-start")
                 row = {"name": ins.name, "async": start and '"is_sync":true' not in ins.attrs,
