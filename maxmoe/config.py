@@ -103,6 +103,7 @@ class MoEConfig:
     transport_buffer_factor: float = 1.5  # all_to_all: c, slots per (source, dest) pair = ceil(c T K / ep)
     transport_rounds: int = 0  # all_to_all/two_level: static exchange rounds; 0 = enough for any routing (dropless); N = N rounds, the overflow dropped and counted (dropped_fraction)
     overlap_chunks: int = 1  # dropless over an expert axis: each device's tokens in N independent chunks, so one chunk's dispatch/combine can run under another's expert GEMMs (XLA:GPU's scheduler); N > 1 wants moe.transport_rounds=1 (a rounds loop hides its collectives)
+    collectives_in_flight: int = 1  # XLA:GPU: at most N collectives in flight at once (xla_gpu_experimental_parallel_collective_overlap_limit; XLA's default 1); 2 lets one chunk's hop-1 exchange across hosts run beside the other chunk's hop 2 and GEMMs (two_level, overlap_chunks 2)
     expert_hosts: int = 0  # two_level: hosts the expert axis spans (hop 1 across them); 0 = mesh.dcn_expert
     router: str = "softmax"  # softmax (Mixtral, Qwen3) | sigmoid (DeepSeek-V3, with a selection bias)
     num_groups: int = 1  # experts form this many contiguous groups (DeepSeek n_group)

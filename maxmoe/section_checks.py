@@ -121,6 +121,8 @@ def check_moe(e: MoEConfig, need: Need) -> None:
          "use 0 (enough rounds for any routing, nothing dropped) or a round count")
     need(e.overlap_chunks >= 1, "moe.overlap_chunks", "must be >= 1",
          "use 1 (one exchange per layer) or 2 (two token chunks, overlapped)")
+    need(e.collectives_in_flight >= 1, "moe.collectives_in_flight", "must be >= 1",
+         "use 1 (XLA:GPU's default: one collective at a time) or 2")
     need(e.overlap_chunks == 1 or e.dispatch == "dropless", "moe.overlap_chunks",
          "moe.dispatch=capacity counts its slots per sequence, not per chunk",
          "set moe.overlap_chunks=1 or moe.dispatch=dropless")

@@ -185,30 +185,35 @@ def unknown_trip_loops(hlo_text: str) -> list[str]:
 # the MoE grouped GEMM's scope (kernels/grouped_matmul.py): the expert compute an exchange of
 # another token chunk can hide under (moe.overlap_chunks)
 _GROUPED_SCOPE = "grouped_matmul"
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+                "collective-permute")
 
 
 def ragged_exchanges(hlo_text: str) -> list[dict]:
     """Each ragged all-to-all of scheduled XLA:GPU HLO, in schedule order: {"name", "async" (a
     start/done pair not marked is_sync), "ops_between" (instructions with device work scheduled
     strictly between its start and done: fusions, custom calls, other collectives' starts),
-    "gemms_between" (those of them in the MoE grouped GEMM's scope)}. A synchronous one has
-    nothing between it and its result, so it runs exposed (plan/overlap.py)."""
+    "gemms_between" (those of them in the MoE grouped GEMM's scope), "starts_between" (other
+    collectives started meanwhile: in flight together), "replica_groups" (as printed)}. A
+    synchronous one has nothing between it and its result, so it runs exposed
+    (plan/overlap.py)."""
     found = []
     for instrs in parse_module(hlo_text)[0].values():
         open_ = {}
         for ins in instrs:
-            if ins.opcode == "ragged-all-to-all":
-                found.append({"name": ins.name, "async": False, "ops_between": 0,
-                              "gemms_between": 0})
-            elif ins.opcode == "ragged-all-to-all-start":
-                row = {"name": ins.name, "async": '"is_sync":true' not in ins.attrs,
-                       "ops_between": 0, "gemms_between": 0}
-                found.append(row)
-                open_[ins.name] = row
-            elif ins.opcode == "ragged-all-to-all-done":
+            if ins.opcode == "ragged-all-to-all-done":
                 open_.pop(ins.operands[0].split()[-1].lstrip("%"), None)
             elif ins.opcode in ("fusion", "custom-call") or ins.opcode.endswith("-start"):
                 for row in open_.values():
                     row["ops_between"] += 1
                     row["gemms_between"] += _GROUPED_SCOPE in (attr(ins.attrs, "metadata") or "")
+                    row["starts_between"] += ins.opcode.removesuffix("-start") in _COLLECTIVES
+            if ins.opcode in ("ragged-all-to-all", "ragged-all-to-all-start"):
+                start = ins.opcode.endswith("-start")
+                row = {"name": ins.name, "async": start and '"is_sync":true' not in ins.attrs,
+                       "ops_between": 0, "gemms_between": 0, "starts_between": 0,
+                       "replica_groups": attr(ins.attrs, "replica_groups")}
+                found.append(row)
+                if start:
+                    open_[ins.name] = row
     return found

@@ -40,6 +40,7 @@ from maxmoe.plan.collectives import ROUNDS_LOOP, instruction_pricer
 from maxmoe.plan.hlo import Instr, attr, callees, known_trip_count, operand_name, parse_module
 from maxmoe.plan.op_cost import OpCost
 from maxmoe.plan.roofline import kernel_efficiency
+from maxmoe.plan.sites import by_site, site_lines
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
                "collective-permute")
@@ -152,6 +153,7 @@ class _Schedule:
         self.cost = OpCost(comps)
         self.warnings: list[str] = []
         self._runs: dict[str, Run] = {}
+        self._defs: dict[str, dict[str, Instr]] = {}
 
     def op_seconds(self, ins: Instr) -> float:
         gemm, attention = self.cost.flops(ins)
@@ -183,8 +185,23 @@ class _Schedule:
         m = _OP_NAME.search(target.attrs) or _OP_NAME.search(ins.attrs)
         kind = "+".join(sorted({k for _, k in sent}))
         seconds = ici / self.rates.ici_bandwidth + dcn / self.rates.dcn_bandwidth
-        return Collective(ins.name, kind, "dcn" if dcn > 0 else "ici", m.group(1) if m else "",
-                          sync, ici + dcn, seconds)
+        return Collective(ins.name, kind, "dcn" if dcn > 0 else "ici",
+                          m.group(1) if m else self.sent_op_name(ins, comp), sync, ici + dcn,
+                          seconds)
+
+    def sent_op_name(self, ins: Instr, comp: str) -> str:
+        """The op_name of what a collective without one sends (XLA keeps none on the async
+        ragged all-to-alls): the first producer up its first operands that has one, else ""."""
+        defs = self._defs.setdefault(comp, {i.name: i for i in self.comps.get(comp, [])})
+        seen = set()
+        while ins.operands and ins.name not in seen:
+            seen.add(ins.name)
+            ins = defs.get(operand_name(ins.operands[0]))
+            if ins is None:
+                return ""
+            if m := _OP_NAME.search(ins.attrs):
+                return m.group(1)
+        return ""
 
     def loop_times(self, ins: Instr, body: Run) -> float:
         """How many times a while's body counts (collectives.py's rule)."""
@@ -258,8 +275,9 @@ class Overlap:
     warnings: list[str]
 
     def to_json(self, top: int = 5) -> dict:
-        """The plan's "overlap" object: totals, the `top` most exposed collectives, and every
-        synchronous one (kind, bytes per step, op_name)."""
+        """The plan's "overlap" object: totals, the `top` most exposed collectives, every
+        synchronous one (kind, bytes per step, op_name), and every collective's exposed and
+        total seconds grouped by kind x link x site (plan/sites.py, "by_site")."""
         row = lambda c: {"name": c.name, "kind": c.kind, "link": c.link,  # noqa: E731
                          "op_name": c.op_name, "times": c.times, "bytes": c.bytes * c.times,
                          "seconds": c.time_s * c.times, "exposed_s": c.exposed_s}
@@ -270,6 +288,7 @@ class Overlap:
                 "async_collectives": sum(not c.sync for c in self.collectives),
                 "top_exposed": [row(c) for c in ranked[:top] if c.exposed_s > 0],
                 "synchronous": [row(c) for c in ranked if c.sync],
+                "by_site": by_site(self.collectives),
                 "uncounted_custom_calls": self.uncounted_custom_calls,
                 "warnings": self.warnings}
 
@@ -302,7 +321,7 @@ def _short(row: dict) -> str:
 
 def overlap_line(overlap: dict | None) -> str:
     """`maxmoe plan`'s overlap line: where the exposed time comes from, the most exposed
-    collectives and the synchronous ones."""
+    collectives, the most exposed sites (plan/sites.py) and the synchronous ones."""
     if not overlap:
         return ("overlap: assumed (roofline.COMM_OVERLAP of the communication hidden, at most "
                 "the compute; read from the schedule only under --compiler gpu)")
@@ -313,6 +332,7 @@ def overlap_line(overlap: dict | None) -> str:
                     f"x{c['times']:g}, {_short(c)})" for c in overlap["top_exposed"][:3])
     sync = overlap["synchronous"]
     lines = [text, "most exposed: " + (top or "none")]
+    lines += ["exposed by site: " + line for line in site_lines(overlap.get("by_site", []))]
     lines.append(f"synchronous (fully exposed): {len(sync)}" + (": " + "; ".join(
         f"{c['kind']} {c['bytes'] / 1e9:.3g} GB x{c['times']:g} ({_short(c)})" for c in sync[:4])
         if sync else ""))

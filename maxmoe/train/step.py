@@ -43,6 +43,8 @@ from maxmoe.train.precision import make_loss_scaler
 # is made synchronous, the ragged all-to-alls and the weight gathers included, so no
 # communication runs under compute (docs: parallelism, "Communication under compute")
 XLA_GPU_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+# moe.collectives_in_flight's XLA:GPU option (the scheduler's limit on collectives in flight)
+IN_FLIGHT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -124,6 +126,14 @@ def state_layout(cfg: Config, mesh: Mesh | AbstractMesh) -> StateLayout:
                        abstract, compute_copy_of(cfg, mesh, abstract_vars, param_shardings))
 
 
+def gpu_options(cfg: Config) -> dict:
+    """The step's XLA:GPU compile options: XLA_GPU_OPTIONS, with moe.collectives_in_flight where
+    it is not XLA's default 1 (nothing when XLA_GPU_OPTIONS is emptied: no scheduler to limit)."""
+    n = cfg.moe.collectives_in_flight
+    return XLA_GPU_OPTIONS if n == 1 or not XLA_GPU_OPTIONS else {**XLA_GPU_OPTIONS,
+                                                                IN_FLIGHT_OPTION: n}
+
+
 def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     cfg = resolve_transport(cfg, dict(mesh.shape))  # moe.transport=auto: the layout's choice
     rules = cfg.mesh.rules
@@ -147,7 +157,7 @@ def make_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     gpu = mesh.devices.flat[0].platform == "gpu"
     jitted_step = jax.jit(train_step, in_shardings=(shardings, batch_sharding),
                           out_shardings=(shardings, replicated), donate_argnums=0,
-                          compiler_options=XLA_GPU_OPTIONS if gpu else None)
+                          compiler_options=gpu_options(cfg) if gpu else None)
     step = run_in_mesh(jitted_step)
     return Trainer(graphdef, optimizer, shardings, batch_sharding, init, step, layout.abstract,
                    mesh, rules, jitted_step)
