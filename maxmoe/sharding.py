@@ -351,7 +351,10 @@ def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
     copy = _COPY.get()
     if copy is not None and sizes is not None:  # zero1 / hsdp: the compute copy's layout
         weights, dcn, stored_rules = copy
-        return as_spec(compute_axes(logical, stored_rules, sizes, shape, weights, dcn))
+        # a stack the pipeline runs (whatever its leading name inside a replicas' vmap): it
+        # keeps the stage axes where storage puts them, else each stage would read all of it
+        return as_spec(compute_axes(logical, stored_rules, sizes, shape, weights, dcn,
+                                    staged=True))
     axes = dim_axes(logical, rules, sizes, shape)
     stage = [a for a in rules.get("stage", []) if sizes and sizes[a] > 1]
     if not stage or any(set(ax) & set(stage) for ax in axes):
