@@ -34,10 +34,14 @@ LAYOUTS = {
                                 "mesh.fsdp=2", "model.pipeline_microbatches=4",
                                 "data.global_batch_size=32"],
     # the recipe's storage over the stages (mesh.rules embed: [fsdp, pipeline]) with the
-    # work outside the pipeline in row groups: the dense layer, embedding and LM head run
-    # on a copy replicated over the stages (sharding.compute_axes, staged False)
-    "pipeline2_outer_rows": ["model.num_layers=5", "mesh.pipeline=2", "mesh.expert=2",
-                             "mesh.fsdp=2", "model.pipeline_microbatches=4",
+    # work outside the pipeline in row groups: the dense layers (3, as V3's: a layer scan),
+    # embedding and LM head run on a copy replicated over the stages (sharding.compute_axes,
+    # staged False), the dense stack on replicas over fsdp x expert x pipeline
+    # (gradients.unpiped_groups); circular, 2 repeats as the recipe, so 3 layers are fewer
+    # than the 4 chunks and run outside the pipeline
+    "pipeline2_outer_rows": ["model.num_layers=7", "model.num_dense_layers=3", "mesh.pipeline=2",
+                             "mesh.expert=2", "mesh.fsdp=2", "model.pipeline_microbatches=4",
+                             "model.pipeline_schedule=circular", "model.pipeline_repeats=2",
                              "data.global_batch_size=32", "model.outer_microbatches=2",
                              "mesh.rules.embed=[fsdp, pipeline]"],
 }
@@ -222,7 +226,7 @@ def test_zero1_copy_holds_expert_group_replicas_of_the_non_expert_stacks():
 
 
 def test_zero1_copy_holds_stage_spanning_replicas_of_a_stack_outside_the_pipeline():
-    """The copy of the dense layer the pipeline does not run is [G', L, ...], G' = the fsdp x
+    """The copy of the dense layers the pipeline does not run is [G', L, ...], G' = the fsdp x
     expert x pipeline groups (its rows are split over the stages there too: the leading
     batch axes), with no expert-group dim; the pipelined MoE stack's stays [G, L, Ge, ...]
     over fsdp alone (its stage axis holds the stages)."""
