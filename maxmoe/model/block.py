@@ -20,9 +20,9 @@ from maxmoe.model.decode_moe import moe_step
 from maxmoe.model.layers import MLP, RMSNorm
 from maxmoe.model.moe import MoE
 from maxmoe.parallel.pipeline import run_pipeline
-from maxmoe.parallel.replicas import on_replicas, on_sublayer_replicas
+from maxmoe.parallel.replicas import on_replicas, on_sublayer_replicas, stack_replicas
 from maxmoe.parallel.schedule import PipelineSchedule
-from maxmoe.sharding import replica_axes, shard
+from maxmoe.sharding import shard
 
 # tensors tagged with jax.ad_checkpoint.checkpoint_name in attention.py, mla.py and moe.py
 SAVED_NAMES = ("qkv_proj", "attn_out", "moe_dispatch", "moe_combine")
@@ -138,7 +138,8 @@ def run_stack(stack, x, segment_ids, positions, *, remat: str,
     """Applies a layer group: a stacked module scanned (run pipelined on a `pipeline`
     schedule), or an nnx.List of per-layer blocks unrolled. On a compute copy with replicas
     (mesh.weights zero1 / hsdp, sharding.replica_axes) a stack runs once per replica, each
-    on its device group's rows (parallel/replicas.py)."""
+    on its device group's rows (parallel/replicas.py); outside the pipeline those groups span
+    the stage axes too (replicas.stack_replicas)."""
     if isinstance(stack, nnx.List):
         return run_blocks(list(stack), x, segment_ids, positions, remat=remat)
     layers = functools.partial(run_layers, remat=remat)
@@ -150,7 +151,7 @@ def run_stack(stack, x, segment_ids, positions, *, remat: str,
                                 run_layers=layers, schedule=pipeline)
         return layers(graphdef, state, x, segment_ids, positions)
 
-    replicas = replica_axes()
+    replicas = stack_replicas(state, pipeline is not None)
     if replicas:  # zero1 / hsdp: one weight replica per data-parallel group (replicas.py)
         return on_replicas(run, state, x, segment_ids, positions, replicas)
     return run(state, x, segment_ids, positions)

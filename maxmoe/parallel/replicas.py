@@ -19,6 +19,12 @@ sublayers that read them (norms, attention, router, shared experts) run vmapped 
 replicas, each expert group on its own rows (`on_sublayer_replicas`), the routed experts'
 shard_map between them on every group's tokens.
 
+A stack the pipeline does not run (a dense prefix: model/spec.pipelined_path) sees its rows
+split over the stage axes as over data, so the copy holds its replicas over those too
+([G', L, ...], G' over the leading batch axes among the copy's groups, the stage axes, and for
+a stack without routed experts the expert axes: ComputeCopy.unpiped), and `stack_replicas`
+gives run_stack those axes for it: no row group all-reduces its gradients over the stages.
+
 The params the outer part reads inside its row-group scan (model.outer_microbatches: the LM
 head and the final norms, parallel/row_groups.py) are replicated over every axis that splits
 the outer rows, so their gradients were all-reduced over all of them once per row group. The
@@ -160,3 +166,33 @@ def on_outer_replicas(fn, params, *rows):
         out = jax.vmap(fn, spmd_axis_name=axes if len(axes) > 1 else axes[0])(
             params, *(a.reshape(g, a.shape[0] // g, *a.shape[1:]) for a in rows))
     return jax.tree.map(lambda a: jnp.sum(a, axis=0), out)
+
+
+# the replica axes of the stacks the pipeline does not run, (without routed experts, with),
+# () where they are the pipelined stacks' (replica_axes): unpiped_replicas
+_UNPIPED: contextvars.ContextVar[tuple] = contextvars.ContextVar("unpiped", default=((), ()))
+
+
+@contextlib.contextmanager
+def unpiped_replicas(dense: tuple[str, ...], moe: tuple[str, ...]):
+    """While the step traces on a compute copy whose stacks outside the pipeline hold their
+    replicas over mesh axes `dense` (no routed experts) / `moe` (ComputeCopy.unpiped; ()
+    where those are sharding.replica_axes'), run_stack runs such a stack over them."""
+    token = _UNPIPED.set((tuple(dense), tuple(moe)))
+    try:
+        yield
+    finally:
+        _UNPIPED.reset(token)
+
+
+def stack_replicas(state, pipelined: bool) -> tuple[str, ...]:
+    """The mesh axes a stack (its nnx.State `state`) runs over its replicas on (on_replicas),
+    () for none: a pipelined one over sharding.replica_axes(); one outside the pipeline over
+    unpiped_replicas' axes for its kind where set (they span the stage axes that split its
+    rows there), else the same. () inside another vmap over replicas, off a compute copy."""
+    axes = replica_axes()
+    if pipelined or not axes:
+        return axes
+    experts = any(isinstance(v, nnx.Param) and "experts" in param_axes(v) for v in jax.tree.leaves(
+        state, is_leaf=lambda v: isinstance(v, nnx.Variable)))
+    return _UNPIPED.get()[experts] or axes

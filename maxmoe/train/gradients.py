@@ -25,9 +25,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
-from maxmoe.model.spec import pipelined_path
+from maxmoe.model.spec import layer_groups, pipelined_path
 from maxmoe.model.transformer import DTYPES, LossShare, load_summary, loss_token_counts
-from maxmoe.parallel.replicas import outer_replicas
+from maxmoe.parallel.replicas import outer_replicas, unpiped_replicas
 from maxmoe.parallel.row_groups import combine_stacked
 from maxmoe.sharding import as_spec, compute_axes, compute_copy, copy_groups, param_axes
 from maxmoe.train.precision import make_loss_scaler
@@ -45,9 +45,14 @@ class ComputeCopy:
     shardings: Any
     dtypes: Any  # per param: the compute dtype, float32 where the model reads float32
     stored: Any  # NamedSharding per param: the train state's layout (ZeRO-3 over all axes)
-    stacked: Any  # per param: whether the copy holds replicas of it ([G, L, ...])
+    # per param: how many replicas of it the copy holds ([G, L, ...]), 0 for none: G for the
+    # pipelined stacks, more for a stack outside the pipeline (unpiped)
+    stacked: Any
     groups: tuple = ()  # the mesh axes (size > 1) of the replicas: sharding.copy_groups
     replicas: int = 1  # G: one replica per group of sharding.copy_groups' axes
+    # the replica axes of the stacks outside the pipeline, (without routed experts, with):
+    # the leading batch axes among groups and the stage axes (unpiped_groups); () for groups
+    unpiped: tuple = ((), ())
     # per param: whether its stacked replicas hold one replica per expert-axis group too,
     # [G, L, Ge, ...] (all stacked params but the routed experts': sublayer_groups)
     sublayer: Any = None
@@ -64,15 +69,15 @@ class ComputeCopy:
         [L, ...] repeated G times, [G, L, ...], one replica per device group (the layer stacks
         run vmapped over them: parallel/replicas.py), laid out."""
         params = jax.tree.map(lambda p, t: p.astype(t), params, self.dtypes)
-        params = jax.tree.map(lambda p, s, e: self._replicated(p) if s and e else
-                              jnp.broadcast_to(p, (self.replicas, *p.shape)) if s else p,
+        params = jax.tree.map(lambda p, s, e: self._replicated(p, s) if s and e else
+                              jnp.broadcast_to(p, (s, *p.shape)) if s else p,
                               params, self.stacked, self.sublayer)
         params = jax.tree.map(lambda p, o: jnp.broadcast_to(p, (self.outer_replicas, *p.shape))
                               if o else p, params, self.outer)
         return _constrained(params, self.shardings)
 
-    def _replicated(self, p):  # [L, ...] -> [G, L, Ge, ...]
-        return jnp.broadcast_to(p[None, :, None], (self.replicas, p.shape[0],
+    def _replicated(self, p, g):  # [L, ...] -> [G, L, Ge, ...]
+        return jnp.broadcast_to(p[None, :, None], (g, p.shape[0],
                                                    self.sublayer_replicas, *p.shape[1:]))
 
     def write(self, grads):
@@ -101,21 +106,25 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
     groups = () if cfg.precision.fp8 != "none" else tuple(
         a for a in copy_groups(cfg.mesh.rules, cfg.mesh.weights, dcn) if mesh.shape[a] > 1)
     replicas = math.prod(mesh.shape[a] for a in groups)
-    # stacked: a leading dim beyond the param's own axes (param_axes calls it "layers")
-    stacked = nnx.to_pure_dict(jax.tree.map(
-        lambda v: v.replace(replicas > 1 and param_axes(v)[:1] == ("layers",)),
-        abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    kind = stack_kinds(cfg, mesh, abstract_vars) if replicas > 1 else jax.tree.map(
+        lambda _: 0, copy)
+    unpiped = unpiped_groups(cfg, mesh, copy, kind, groups)
+    axes = {1: groups, 2: unpiped[0] or groups, 3: unpiped[1] or groups}
+    stacked = jax.tree.map(lambda k: math.prod(mesh.shape[a] for a in axes[k]) if k else 0,
+                           kind)
     sub, sub_groups = sublayer_replicas(cfg, mesh, abstract_vars, copy, stacked)
+    # a stack whose replicas span the expert axes runs no sublayer vmap over them
+    sub = jax.tree.map(lambda e, k: e and not set(sub_groups) & set(axes.get(k, ())), sub, kind)
     copy = jax.tree.map(  # [G, L, ...] over groups; [G, L, Ge, ...] over groups, L's, sub_groups
-        lambda c, s, e: NamedSharding(mesh, P(groups, *((*c.spec, None)[:1], sub_groups)
+        lambda c, k, e: NamedSharding(mesh, P(axes[k], *((*c.spec, None)[:1], sub_groups)
                                                + tuple(c.spec[1:]) if e else c.spec))
-        if s else c, copy, stacked, sub)
+        if k else c, copy, kind, sub)
     outer, outer_axes = outer_params(cfg, mesh, copy, cfg.precision.fp8 == "none")
     copy = jax.tree.map(lambda c, o: NamedSharding(mesh, P(outer_axes, *(
         _without(e, outer_axes) for e in c.spec))) if o else c, copy, outer)
     return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas,
-                       sub, sub_groups, math.prod(mesh.shape[a] for a in sub_groups), outer,
-                       outer_axes, math.prod(mesh.shape[a] for a in outer_axes))
+                       unpiped, sub, sub_groups, math.prod(mesh.shape[a] for a in sub_groups),
+                       outer, outer_axes, math.prod(mesh.shape[a] for a in outer_axes))
 
 
 def _without(entry, axes) -> tuple:
@@ -153,6 +162,50 @@ def outer_params(cfg: Config, mesh, copy, on: bool):
     if not on or not axes:
         return jax.tree.map(lambda _: False, outer), ()
     return outer, tuple(axes)
+
+
+def stack_kinds(cfg: Config, mesh, abstract_vars):
+    """Per param (a pure dict): 0 not stacked; 1 in a stack the pipeline runs (or no stage
+    axes); 2 / 3 in a stack outside the pipeline without / with routed experts (a dense
+    prefix / a MoE group too short to pipeline), whose rows the stage axes split."""
+    stages = math.prod(mesh.shape[a] for a in cfg.mesh.rules.get("stage", []))
+    staged, kinds = pipelined_path(cfg.model, stages), layer_groups(cfg.model)
+
+    def one(path, v):
+        keys = [getattr(k, "key", k) for k in path]
+        if param_axes(v)[:1] != ("layers",):
+            return v.replace(0)
+        if stages == 1 or staged(path) or keys[:1] != ["layer_groups"]:
+            return v.replace(1)
+        return v.replace(3 if kinds[keys[1]][0] else 2)
+
+    return nnx.to_pure_dict(jax.tree_util.tree_map_with_path(
+        one, abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def unpiped_groups(cfg: Config, mesh, copy, kind, groups: tuple) -> tuple:
+    """(dense, moe): the mesh axes the copy holds the replicas of a stack outside the pipeline
+    over (stack_kinds 2, 3), () where those would be `groups`: the leading batch axes (size
+    > 1) among `groups`, the stage axes and, for a stack without routed experts, the expert
+    axes, that no param of its kind's copy is split over. Why: outside the pipeline the stage
+    axes split the rows as data does, so on `groups` alone each row group would all-reduce
+    the stack's gradients over the stages; the expert axes come along where they lie
+    between (the batch is split data, fsdp, expert, pipeline), as the replicas' rows must be
+    a leading block of the batch split (replicas.on_replicas)."""
+    stage, experts = cfg.mesh.rules.get("stage", []), cfg.mesh.rules.get("experts", [])
+    lead = [a for a in cfg.mesh.rules.get("batch", []) if mesh.shape[a] > 1]
+    out = []
+    for k, extra in ((2, (*stage, *experts)), (3, stage)):
+        used = {a for c, n in zip(jax.tree.leaves(copy), jax.tree.leaves(kind), strict=True)
+                if n == k for e in c.spec for a in _without(e, ())}
+        axes = []
+        for a in lead:
+            if a in used or a not in (*groups, *extra):
+                break
+            axes.append(a)
+        spans = set(groups) <= set(axes) and set(axes) & set(stage)
+        out.append(tuple(axes) if spans else ())
+    return tuple(out)
 
 
 def compute_shardings(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, dcn):
@@ -242,7 +295,7 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | Non
 
     def on_copy(params, batch, buffers, scale_state):
         with compute_copy(copy.weights, copy.dcn, copy.groups, copy.sublayer_groups), \
-                outer_replicas(copy.outer_groups):
+                outer_replicas(copy.outer_groups), unpiped_replicas(*copy.unpiped):
             grads, metrics = gradients(copy.read(params), batch, buffers, scale_state)
         return copy.write(grads), metrics
 

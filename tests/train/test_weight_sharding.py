@@ -34,10 +34,14 @@ LAYOUTS = {
                                 "mesh.fsdp=2", "model.pipeline_microbatches=4",
                                 "data.global_batch_size=32"],
     # the recipe's storage over the stages (mesh.rules embed: [fsdp, pipeline]) with the
-    # work outside the pipeline in row groups: the dense layer, embedding and LM head run
-    # on a copy replicated over the stages (sharding.compute_axes, staged False)
-    "pipeline2_outer_rows": ["model.num_layers=5", "mesh.pipeline=2", "mesh.expert=2",
-                             "mesh.fsdp=2", "model.pipeline_microbatches=4",
+    # work outside the pipeline in row groups: the dense layers (3, as V3's: a layer scan),
+    # embedding and LM head run on a copy replicated over the stages (sharding.compute_axes,
+    # staged False), the dense stack on replicas over fsdp x expert x pipeline
+    # (gradients.unpiped_groups); circular, 2 repeats as the recipe, so 3 layers are fewer
+    # than the 4 chunks and run outside the pipeline
+    "pipeline2_outer_rows": ["model.num_layers=7", "model.num_dense_layers=3", "mesh.pipeline=2",
+                             "mesh.expert=2", "mesh.fsdp=2", "model.pipeline_microbatches=4",
+                             "model.pipeline_schedule=circular", "model.pipeline_repeats=2",
                              "data.global_batch_size=32", "model.outer_microbatches=2",
                              "mesh.rules.embed=[fsdp, pipeline]"],
 }
@@ -199,7 +203,8 @@ def test_zero1_copy_holds_a_replica_of_each_stack_per_data_parallel_group():
     stacked = jax.tree.leaves(copy.stacked)
     assert any(stacked) and not all(stacked)  # the layer stacks; the embedding, head, norm
     for s, sharding in zip(stacked, jax.tree.leaves(copy.shardings), strict=True):
-        assert (tuple(sharding.spec)[:1] == (("data", "fsdp"),)) == s
+        assert (tuple(sharding.spec)[:1] == (("data", "fsdp"),)) == bool(s)
+        assert s in (0, 4)
 
 
 def test_zero1_copy_holds_expert_group_replicas_of_the_non_expert_stacks():
@@ -220,6 +225,24 @@ def test_zero1_copy_holds_expert_group_replicas_of_the_non_expert_stacks():
             assert not st or "expert" in spec[2:], spec
 
 
+def test_zero1_copy_holds_stage_spanning_replicas_of_a_stack_outside_the_pipeline():
+    """The copy of the dense layers the pipeline does not run is [G', L, ...], G' = the fsdp x
+    expert x pipeline groups (its rows are split over the stages there too: the leading
+    batch axes), with no expert-group dim; the pipelined MoE stack's stays [G, L, Ge, ...]
+    over fsdp alone (its stage axis holds the stages)."""
+    cfg, origins = small_config(*ACCUM, *LAYOUTS["pipeline2_outer_rows"], "mesh.weights=zero1")
+    mesh = make_mesh(validate(cfg, 8, origins), jax.devices()[:8], dcn=dcn_sizes(cfg))
+    copy = state_layout(cfg, mesh).compute
+    assert copy.groups == ("fsdp",) and copy.unpiped == (("fsdp", "expert", "pipeline"), ())
+    dense, moe = copy.stacked["layer_groups"][0], copy.stacked["layer_groups"][1]
+    assert set(jax.tree.leaves(dense)) == {8} and set(jax.tree.leaves(moe)) == {2}
+    assert not any(jax.tree.leaves(copy.sublayer["layer_groups"][0]))
+    for sharding in jax.tree.leaves(copy.shardings["layer_groups"][0]):
+        assert tuple(sharding.spec)[:2] == (("fsdp", "expert", "pipeline"), None), sharding
+    for sharding in jax.tree.leaves(copy.shardings["layer_groups"][1]):
+        assert tuple(sharding.spec)[:2] == ("fsdp", "pipeline"), sharding
+
+
 def test_zero1_copy_holds_no_replicas_under_fp8():
     """precision.fp8: the copy holds no replicas (a tensorwise amax or a blockwise
     weight-gradient tile would span one group's rows, and the step would differ from zero3's)."""
@@ -228,6 +251,7 @@ def test_zero1_copy_holds_no_replicas_under_fp8():
     sizes = validate(cfg, 8, origins)
     copy = state_layout(cfg, make_mesh(sizes, jax.devices()[:8])).compute
     assert copy.replicas == 1 and copy.groups == () and not any(jax.tree.leaves(copy.stacked))
+    assert copy.unpiped == ((), ())
     assert copy.outer_groups == () and not any(jax.tree.leaves(copy.outer))
 
 
