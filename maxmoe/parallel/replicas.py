@@ -120,17 +120,24 @@ def stack_axes(var, lead: int) -> tuple:
     pipeline's [P, V, S, ...]), the compute copy's expert-group replica dim after them, if any
     ([..., Ge, ...] within a stack's replicas: on_sublayer_replicas), named "experts" so that
     it stays split over the expert axis, as the routed experts are."""
-    logical, own = param_axes(var), len(var.get_metadata().get("axes", ()))
-    if len(logical) - own == lead + 1 and replica_axes(sublayers=True):
+    logical = param_axes(var)
+    if _group_dim(var, lead):
         return (*logical[:lead], "experts", *logical[lead + 1:])
     return logical
+
+
+def _group_dim(var, lead: int) -> bool:
+    """Whether a stacked param with `lead` stack dims carries the compute copy's expert-group
+    replica dim after them (not a routed expert's own "experts" dim, which its axes name)."""
+    own = len(var.get_metadata().get("axes", ()))
+    return var.get_value().ndim - own == lead + 1 and bool(replica_axes(sublayers=True))
 
 
 def stack_source(var) -> P:
     """sharding.stack_source_spec of a stacked param [L, ...] (the pipeline regroups it from
     there); of one with the expert-group replica dim [L, Ge, ...] (stack_axes), one replica's
     spec with that dim inserted, split over the groups' axes."""
-    if stack_axes(var, 1)[1:2] != ("experts",):
+    if not _group_dim(var, 1):
         return stack_source_spec(var)
     one = tuple(stack_source_spec(var.replace(var.get_value()[:, 0])))
     return P(*(*one, None)[:1], replica_axes(sublayers=True), *one[1:])
