@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import Config
+from maxmoe.kernels.fp8 import BLOCK
 from maxmoe.model.spec import layer_groups, pipelined_path
 from maxmoe.model.transformer import DTYPES, LossShare, load_summary, loss_token_counts
 from maxmoe.parallel.replicas import outer_replicas, unpiped_replicas
@@ -100,10 +101,7 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
     dtypes = nnx.to_pure_dict(jax.tree.map(
         lambda v: v.replace(jnp.float32 if v.get_metadata().get("compute_float32") else compute),
         abstract_vars, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    # no replicas under precision.fp8: a tensorwise amax and a blockwise weight-gradient
-    # tile would then span a group's rows, not the batch's, so the result would differ from
-    # zero3's
-    groups = () if cfg.precision.fp8 != "none" else tuple(
+    groups = () if not fp8_tiles_in_rows(cfg) else tuple(
         a for a in copy_groups(cfg.mesh.rules, cfg.mesh.weights, dcn) if mesh.shape[a] > 1)
     replicas = math.prod(mesh.shape[a] for a in groups)
     kind = stack_kinds(cfg, mesh, abstract_vars) if replicas > 1 else jax.tree.map(
@@ -119,12 +117,22 @@ def compute_copy_of(cfg: Config, mesh: Mesh | AbstractMesh, abstract_vars, store
         lambda c, k, e: NamedSharding(mesh, P(axes[k], *((*c.spec, None)[:1], sub_groups)
                                                + tuple(c.spec[1:]) if e else c.spec))
         if k else c, copy, kind, sub)
-    outer, outer_axes = outer_params(cfg, mesh, copy, cfg.precision.fp8 == "none")
+    outer, outer_axes = outer_params(cfg, mesh, copy)  # the LM loss runs no FP8 GEMM
     copy = jax.tree.map(lambda c, o: NamedSharding(mesh, P(outer_axes, *(
         _without(e, outer_axes) for e in c.spec))) if o else c, copy, outer)
     return ComputeCopy(cfg.mesh.weights, dcn, copy, dtypes, stored, stacked, groups, replicas,
                        unpiped, sub, sub_groups, math.prod(mesh.shape[a] for a in sub_groups),
                        outer, outer_axes, math.prod(mesh.shape[a] for a in outer_axes))
+
+
+def fp8_tiles_in_rows(cfg: Config) -> bool:
+    """Whether the layers' FP8 GEMMs (precision.fp8) compute the same on replicas, each a
+    group of whole batch rows, as on the whole batch: no FP8; or blockwise with
+    data.seq_len a multiple of the 128-token tile, so every weight-gradient token tile
+    (kernels/fp8.token_tiled_matmul) lies in one row, as on one device. Not tensorwise: its
+    amax would span a group's rows, not the batch's."""
+    fp8 = cfg.precision.fp8
+    return fp8 == "none" or fp8 == "blockwise" and cfg.data.seq_len % BLOCK == 0
 
 
 def _without(entry, axes) -> tuple:
@@ -137,7 +145,7 @@ def _without(entry, axes) -> tuple:
 OUTER = ("lm_head", "final_norm")
 
 
-def outer_params(cfg: Config, mesh, copy, on: bool):
+def outer_params(cfg: Config, mesh, copy):
     """(per param: whether the copy holds one replica of it per group of the outer axes, those
     axes): the LM head and final norms (OUTER), over the batch axes (size > 1) that split the
     outer rows and that no such param's copy is split over but the stage axes (compute_axes
@@ -145,7 +153,7 @@ def outer_params(cfg: Config, mesh, copy, on: bool):
     reduce-scatter their gradients over the stages), the leading ones in the batch split (so
     each group's rows lie on its devices). Why: the LM loss runs vmapped over them
     (parallel/replicas.py on_outer_replicas), so no row group all-reduces their gradients.
-    Off (all False, ()) where `on` is not (precision.fp8), or the groups would be 1."""
+    Off (all False, ()) where the groups would be 1."""
     def mine(path, _):
         keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
         return keys[0] in OUTER or keys[:1] == ["mtp"] and keys[2:3] == ["final_norm"]
@@ -159,7 +167,7 @@ def outer_params(cfg: Config, mesh, copy, on: bool):
         if a in used:
             break
         axes.append(a)
-    if not on or not axes:
+    if not axes:
         return jax.tree.map(lambda _: False, outer), ()
     return outer, tuple(axes)
 

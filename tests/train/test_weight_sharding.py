@@ -243,16 +243,39 @@ def test_zero1_copy_holds_stage_spanning_replicas_of_a_stack_outside_the_pipelin
         assert tuple(sharding.spec)[:2] == ("fsdp", "pipeline"), sharding
 
 
-def test_zero1_copy_holds_no_replicas_under_fp8():
-    """precision.fp8: the copy holds no replicas (a tensorwise amax or a blockwise
-    weight-gradient tile would span one group's rows, and the step would differ from zero3's)."""
-    overrides = [*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "mesh.weights=zero1"]
-    cfg, origins = small_config(*overrides, "precision.fp8=blockwise")
+@pytest.mark.parametrize("fp8, seq, stacks", [("tensorwise", 128, False),
+                                               ("blockwise", 32, False), ("blockwise", 128, True)])
+def test_zero1_copy_replicas_under_fp8(fp8, seq, stacks):
+    """precision.fp8: the layers' copy holds replicas only where each replica's FP8 GEMMs
+    compute as the whole batch's (gradients.fp8_tiles_in_rows): blockwise with every
+    128-token weight-gradient tile inside one row (seq_len % 128 == 0). Not tensorwise (its
+    amax would span one group's rows) nor blockwise at seq 32 (a tile would span rows of two
+    groups). The LM head and final norms (no FP8 GEMM) keep their outer replicas in all."""
+    overrides = [*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "mesh.weights=zero1", *OUTER]
+    cfg, origins = small_config(*overrides, f"precision.fp8={fp8}", f"data.seq_len={seq}")
     sizes = validate(cfg, 8, origins)
     copy = state_layout(cfg, make_mesh(sizes, jax.devices()[:8])).compute
-    assert copy.replicas == 1 and copy.groups == () and not any(jax.tree.leaves(copy.stacked))
-    assert copy.unpiped == ((), ())
-    assert copy.outer_groups == () and not any(jax.tree.leaves(copy.outer))
+    assert (copy.replicas == 4 and copy.groups == ("data", "fsdp")) if stacks else \
+        (copy.replicas == 1 and copy.groups == () and not any(jax.tree.leaves(copy.stacked)))
+    assert copy.outer_groups == ("data", "fsdp", "expert") and any(jax.tree.leaves(copy.outer))
+
+
+def test_zero1_fp8_blockwise_replicas_match_zero3():
+    """Blockwise FP8 at seq 128: zero1, its layers on replicas over data x fsdp and the LM
+    head on outer replicas, against zero3 on the same 8 devices and batch (the FP8 path that
+    runs on the whole batch; tests/kernels/test_fp8.py compares it with one device): loss
+    within 1e-5 relative, gradients to the equivalence matrix's rtol 1e-4 / atol 1e-6 (the
+    quantisation tiles are the same, only float32 sums are ordered differently). With the
+    replicas forced on at seq 32 or under tensorwise it fails (a tile or amax spans rows of
+    two groups: hundreds of gradient elements off by up to 5% of their leaf's largest)."""
+    overrides = [*ACCUM, *LAYOUTS["data2_fsdp2_expert2"], "precision.fp8=blockwise",
+                 "data.seq_len=128"]
+    cfg, _ = small_config(*overrides)
+    batch = random_batch(cfg)
+    ref_loss, ref_grads = gradients([*overrides, "mesh.weights=zero3"], batch, 8)
+    loss, grads = gradients([*overrides, "mesh.weights=zero1"], batch, 8)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_grads_close(grads, ref_grads)
 
 
 def test_zero1_copy_holds_batch_group_replicas_of_the_head_and_final_norms():
