@@ -203,6 +203,12 @@ def shard(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec(logical))
 
 
+def path_keys(path) -> tuple:
+    """A jax.tree_util key path -> the pure dict's keys (str, or int for layer groups and
+    list items), e.g. ("layer_groups", 1, "mlp", "gate")."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
 def param_axes(variable) -> tuple[str | None, ...]:
     """Logical axes of a param; stacked (scanned) layers get a leading 'layers' axis."""
     axes = tuple(variable.get_metadata().get("axes", ()))

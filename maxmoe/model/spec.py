@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from maxmoe.config import ModelConfig
 from maxmoe.parallel.schedule import pipeline_schedule
+from maxmoe.sharding import path_keys
 
 
 def layer_groups(model: ModelConfig) -> list[tuple[bool, int, int]]:
@@ -33,7 +34,7 @@ def pipelined_path(model: ModelConfig, stages: int):
     piped = {i for i, (_, _, n) in enumerate(layer_groups(model)) if schedule.pipelines(n)}
 
     def staged(path) -> bool:
-        keys = tuple(getattr(k, "key", k) for k in path)
+        keys = path_keys(path)
         return keys[:1] == ("layer_groups",) and keys[1] in piped
     return staged
 

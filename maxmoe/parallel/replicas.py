@@ -143,24 +143,31 @@ def stack_source(var) -> P:
     return P(*(*one, None)[:1], replica_axes(sublayers=True), *one[1:])
 
 
-# the mesh axes the compute copy holds the outer params' replicas over (outer_replicas)
+# the mesh axes the compute copy holds the outer params' replicas over, and those of the
+# stacks the pipeline does not run, (without routed experts, with), () where they are the
+# pipelined stacks' (replica_axes): set by copy_replicas
 _OUTER: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("outer", default=())
+_UNPIPED: contextvars.ContextVar[tuple] = contextvars.ContextVar("unpiped", default=((), ()))
 
 
 @contextlib.contextmanager
-def outer_replicas(axes: tuple[str, ...]):
+def copy_replicas(outer: tuple[str, ...], unpiped: tuple[tuple[str, ...], tuple[str, ...]]):
     """While the step traces on a compute copy whose outer params (ComputeCopy.outer) hold one
-    replica per group of mesh `axes` ([G, ...]), on_outer_replicas runs over them."""
-    token = _OUTER.set(tuple(axes))
+    replica per group of mesh axes `outer` ([G, ...]; on_outer_replicas runs over them) and
+    whose stacks outside the pipeline hold theirs over `unpiped` (dense, moe) (ComputeCopy
+    .unpiped; run_stack runs such a stack over them, stack_replicas)."""
+    t1 = _OUTER.set(tuple(outer))
+    t2 = _UNPIPED.set(tuple(tuple(a) for a in unpiped))
     try:
         yield
     finally:
-        _OUTER.reset(token)
+        _UNPIPED.reset(t2)
+        _OUTER.reset(t1)
 
 
 def on_outer_replicas(fn, params, *rows):
     """fn(params, *rows) -> a pytree of sums over rows, run once per replica of `params` where
-    the copy holds the outer params' replicas (outer_replicas: each leaf [G, ...]), each group
+    the copy holds the outer params' replicas (copy_replicas: each leaf [G, ...]), each group
     on its block of rows [B/G, ...] (the outer axes lead the batch split, so the blocks lie
     where they are), vmapped with spmd_axis_name: each replica's gradient is then summed over
     its group's rows alone, and the replicas' are added once per step (ComputeCopy.write),
@@ -175,27 +182,10 @@ def on_outer_replicas(fn, params, *rows):
     return jax.tree.map(lambda a: jnp.sum(a, axis=0), out)
 
 
-# the replica axes of the stacks the pipeline does not run, (without routed experts, with),
-# () where they are the pipelined stacks' (replica_axes): unpiped_replicas
-_UNPIPED: contextvars.ContextVar[tuple] = contextvars.ContextVar("unpiped", default=((), ()))
-
-
-@contextlib.contextmanager
-def unpiped_replicas(dense: tuple[str, ...], moe: tuple[str, ...]):
-    """While the step traces on a compute copy whose stacks outside the pipeline hold their
-    replicas over mesh axes `dense` (no routed experts) / `moe` (ComputeCopy.unpiped; ()
-    where those are sharding.replica_axes'), run_stack runs such a stack over them."""
-    token = _UNPIPED.set((tuple(dense), tuple(moe)))
-    try:
-        yield
-    finally:
-        _UNPIPED.reset(token)
-
-
 def stack_replicas(state, pipelined: bool) -> tuple[str, ...]:
     """The mesh axes a stack (its nnx.State `state`) runs over its replicas on (on_replicas),
     () for none: a pipelined one over sharding.replica_axes(); one outside the pipeline over
-    unpiped_replicas' axes for its kind where set (they span the stage axes that split its
+    copy_replicas' axes for its kind where set (they span the stage axes that split its
     rows there), else the same. () inside another vmap over replicas, off a compute copy."""
     axes = replica_axes()
     if pipelined or not axes:

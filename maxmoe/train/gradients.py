@@ -28,9 +28,16 @@ from maxmoe.config import Config
 from maxmoe.kernels.fp8 import BLOCK
 from maxmoe.model.spec import layer_groups, pipelined_path
 from maxmoe.model.transformer import DTYPES, LossShare, load_summary, loss_token_counts
-from maxmoe.parallel.replicas import outer_replicas, unpiped_replicas
+from maxmoe.parallel.replicas import copy_replicas
 from maxmoe.parallel.row_groups import combine_stacked
-from maxmoe.sharding import as_spec, compute_axes, compute_copy, copy_groups, param_axes
+from maxmoe.sharding import (
+    as_spec,
+    compute_axes,
+    compute_copy,
+    copy_groups,
+    param_axes,
+    path_keys,
+)
 from maxmoe.train.precision import make_loss_scaler
 from maxmoe.validation import dcn_sizes
 
@@ -155,8 +162,8 @@ def outer_params(cfg: Config, mesh, copy):
     (parallel/replicas.py on_outer_replicas), so no row group all-reduces their gradients.
     Off (all False, ()) where the groups would be 1."""
     def mine(path, _):
-        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-        return keys[0] in OUTER or keys[:1] == ["mtp"] and keys[2:3] == ["final_norm"]
+        keys = path_keys(path)
+        return keys[0] in OUTER or keys[:1] == ("mtp",) and keys[2:3] == ("final_norm",)
 
     outer = jax.tree_util.tree_map_with_path(mine, copy)
     stages = set(cfg.mesh.rules.get("stage", []))  # where the copy keeps them, dropped
@@ -180,10 +187,10 @@ def stack_kinds(cfg: Config, mesh, abstract_vars):
     staged, kinds = pipelined_path(cfg.model, stages), layer_groups(cfg.model)
 
     def one(path, v):
-        keys = [getattr(k, "key", k) for k in path]
+        keys = path_keys(path)
         if param_axes(v)[:1] != ("layers",):
             return v.replace(0)
-        if stages == 1 or staged(path) or keys[:1] != ["layer_groups"]:
+        if stages == 1 or staged(path) or keys[:1] != ("layer_groups",):
             return v.replace(1)
         return v.replace(3 if kinds[keys[1]][0] else 2)
 
@@ -303,7 +310,7 @@ def make_gradients(cfg: Config, graphdef, micro_spec: P, copy: ComputeCopy | Non
 
     def on_copy(params, batch, buffers, scale_state):
         with compute_copy(copy.weights, copy.dcn, copy.groups, copy.sublayer_groups), \
-                outer_replicas(copy.outer_groups), unpiped_replicas(*copy.unpiped):
+                copy_replicas(copy.outer_groups, copy.unpiped):
             grads, metrics = gradients(copy.read(params), batch, buffers, scale_state)
         return copy.write(grads), metrics
 

@@ -33,7 +33,7 @@ from maxmoe.config_files import load_config
 from maxmoe.hf.safetensors_io import ConversionError
 from maxmoe.hf.slices import LeafReader
 from maxmoe.parallel.dispatch import resolve_transport
-from maxmoe.sharding import use_mesh
+from maxmoe.sharding import path_keys, use_mesh
 from maxmoe.train import saved_steps
 from maxmoe.train.evaluate import find_checkpoint, run_config_file
 from maxmoe.train.step import Trainer, state_layout
@@ -145,7 +145,7 @@ def load_weights(trainer: Trainer, cfg: Config, source: InitSource) -> dict:
     if source.kind == "hf":
         reader = LeafReader(source.path, cfg)
         return jax.tree_util.tree_map_with_path(
-            lambda path, leaf: _from_reader(reader, _pure_path(path)[1:], leaf), target)
+            lambda path, leaf: _from_reader(reader, path_keys(path)[1:], leaf), target)
     layout = target
     if source.cfg.model.scan_layers != cfg.model.scan_layers:
         other = dataclasses.replace(cfg, model=dataclasses.replace(
@@ -159,11 +159,6 @@ def load_weights(trainer: Trainer, cfg: Config, source: InitSource) -> dict:
     if layout is not target:
         weights = {k: relayout(weights[k], target[k], cfg.model.scan_layers) for k in target}
     return weights
-
-
-def _pure_path(path) -> tuple:
-    """A tree_util key path -> the pure dict's keys (str, or int for layer groups)."""
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
 def _from_reader(reader: LeafReader, path: tuple, leaf: jax.ShapeDtypeStruct) -> jax.Array:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from maxmoe.config import OptimizerConfig
+from maxmoe.sharding import path_keys
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -60,7 +61,7 @@ def clip_by_scheduled_global_norm(schedule: optax.Schedule
 def _decay_mask(params):
     # no weight decay on norm scales (1-D per layer); matrices and embeddings decay
     def keep(path, _):
-        return not any("norm" in str(getattr(k, "key", k)) for k in path)
+        return not any("norm" in str(k) for k in path_keys(path))
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
