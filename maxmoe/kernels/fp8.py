@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
+from maxmoe.sharding import current_mesh, mesh_axes
+
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 BLOCK = 128  # DeepSeek-V3's tile / block edge
@@ -201,13 +203,13 @@ def token_tiled_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [P, M] @ b [M, N] -> float32 [P, N], both operands in E4M3 128x1 tiles along M (the
     weight gradient's token tiles: scale per 128 tokens, per column of either operand), each
     tile's product scaled and summed in float32. M's tiles are laid out as [G, C] with G
-    = gcd(tiles, devices of an XLA-partitioned mesh; 1 without one or inside shard_map): the
-    token sharding lands on G, each device sums its own tiles over C and XLA adds the G
-    partial sums once at the end, instead of replicating the token-sharded operands to slice
-    their tiles (issue 28). The same tiles and products as quantize / scaled_matmul."""
+    = gcd(tiles, devices the tokens are split over: `_token_devices`): the token sharding
+    lands on G, each device sums its own tiles over C and XLA adds the G partial sums once at
+    the end, instead of replicating the token-sharded operands to slice their tiles (issue
+    28). The same tiles and products as quantize / scaled_matmul."""
     (p, m), n = a.shape, b.shape[1]
     t = -(-m // BLOCK)
-    g = math.gcd(t, _partitioned_devices())
+    g = math.gcd(t, _token_devices())
     c = t // g
     a4 = _sharded_but(jnp.pad(a, ((0, 0), (0, t * BLOCK - m))).reshape(p, g, c, BLOCK), 2)
     b4 = _sharded_but(jnp.pad(b, ((0, t * BLOCK - m), (0, 0))).reshape(g, c, BLOCK, n), 1)
@@ -274,6 +276,18 @@ def _partitioned_devices() -> int:
     if mesh.empty or any(t != AxisType.Auto for t in mesh.axis_types):
         return 1
     return mesh.size
+
+
+def _token_devices() -> int:
+    """The devices an XLA-partitioned step splits the tokens over: those of the mesh axes the
+    current rules map "batch" to (sharding.mesh_axes: inside a vmap over replicas or stages
+    those axes are the vmap's, not the rows'), the whole mesh without maxmoe's rules, 1 where
+    `_partitioned_devices` is. Why: a G larger than the rows' split is not sharded, and each
+    device kept G float32 partial weight gradients (671B FP8: [32, 18432, 7168], 15.75 GiB)."""
+    devices = _partitioned_devices()
+    if devices == 1 or current_mesh() is None:
+        return devices
+    return math.prod(current_mesh().shape[a] for a in mesh_axes("batch"))
 
 
 def _sharded_but(x: jax.Array, dim: int) -> jax.Array:

@@ -37,11 +37,12 @@ from maxmoe.kernels.fp8 import (
     quantize,
     round_e4m3,
     round_trip,
+    token_tiled_matmul,
 )
 from maxmoe.kernels.fp8_ragged import fp8_ragged_dot
 from maxmoe.kernels.grouped_matmul import blocked_rows, dropless_local
 from maxmoe.parallel.experts import routed_experts
-from maxmoe.sharding import make_mesh, named, use_mesh
+from maxmoe.sharding import make_mesh, named, use_mesh, within_replicas
 from maxmoe.train.checkpoint import Checkpointer
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import validate
@@ -184,6 +185,22 @@ def test_fp8_dot_amax_is_global_when_sharded(mode, tokens):
         got = run(*args)
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+@pytest.mark.parametrize("replicas, groups", [((), 8), (("data",), 4), (("data", "fsdp"), 2)])
+def test_weight_gradient_partial_sums_follow_the_rows_split(replicas, groups):
+    """token_tiled_matmul's float32 partial sums [G, P, N]: G is the devices the tokens are
+    split over in the current trace (data 2 x fsdp 2 x expert 2; inside a vmap over replicas,
+    which drops their axes from "batch", the rest), not the whole mesh: a G beyond the rows'
+    split is not sharded, and each device held G weight gradients (671B FP8: 15.75 GiB
+    [32, 18432, 7168] buffers). The G of the loop carry is read from the traced program."""
+    sizes = dict(data=2, fsdp=2, pipeline=1, expert=2, tensor=1)
+    a, b = jnp.ones((96, 128 * 128)), jnp.ones((128 * 128, 64))  # 128 tiles: a loop
+    with use_mesh(make_mesh(sizes), DEFAULT_RULES), within_replicas(replicas):
+        jaxpr = jax.make_jaxpr(lambda a, b: token_tiled_matmul(a, b))(a, b)  # no trace cache
+    carries = [v.aval.shape for e in jaxpr.eqns if e.primitive.name in ("while", "scan")
+               for v in e.outvars if v.aval.ndim == 3]
+    assert carries == [(groups, 96, 64)], carries
 
 
 def test_blockwise_keeps_outlier_channels_that_tensorwise_flushes():
