@@ -187,29 +187,32 @@ def round_trip_row_tiles(x: jax.Array, tile: jax.Array, num_tiles: int) -> jax.A
     return rounded_with(x, scale)
 
 
-def fp8_matmul(a: jax.Array, b: jax.Array, mode: str, b_tile: int = BLOCK) -> jax.Array:
+def fp8_matmul(a: jax.Array, b: jax.Array, mode: str, b_tile: int = BLOCK,
+               groups: int | None = None) -> jax.Array:
     """a [M, K] @ b [K, N] on E4M3 operands, float32 result (not differentiable: fp8_dot and
     the grouped kernels write the backward). tensorwise: one scale per operand, the float32
     product rescaled once. blockwise: a in 1x128 tiles (per row, per 128 of K), b in
     128 x b_tile blocks (128x128 for a weight; 1 for the weight gradient's 128x1 token tiles),
-    one 128-wide K block at a time, each partial product scaled and summed in float32."""
+    one 128-wide K block at a time, each partial product scaled and summed in float32.
+    groups: token_tiled_matmul's, for the weight gradient's token tiles."""
     if mode == "blockwise" and b_tile == 1:
-        return token_tiled_matmul(a, b)
+        return token_tiled_matmul(a, b, groups)
     qb, sb = quantize(b, _tile(mode, (BLOCK, b_tile)))
     return scaled_matmul(a, qb, sb, mode, b_tile)
 
 
-def token_tiled_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+def token_tiled_matmul(a: jax.Array, b: jax.Array, groups: int | None = None) -> jax.Array:
     """a [P, M] @ b [M, N] -> float32 [P, N], both operands in E4M3 128x1 tiles along M (the
     weight gradient's token tiles: scale per 128 tokens, per column of either operand), each
     tile's product scaled and summed in float32. M's tiles are laid out as [G, C] with G
-    = gcd(tiles, devices the tokens are split over: `_token_devices`): the token sharding
-    lands on G, each device sums its own tiles over C and XLA adds the G partial sums once at
-    the end, instead of replicating the token-sharded operands to slice their tiles (issue
-    28). The same tiles and products as quantize / scaled_matmul."""
+    = gcd(tiles, the devices the tokens are split over: `groups`, by default
+    `token_devices()` where this traces): the token sharding lands on G, each device sums its
+    own tiles over C and XLA adds the G partial sums once at the end, instead of replicating
+    the token-sharded operands to slice their tiles (issue 28). The same tiles and products
+    as quantize / scaled_matmul."""
     (p, m), n = a.shape, b.shape[1]
     t = -(-m // BLOCK)
-    g = math.gcd(t, _token_devices())
+    g = math.gcd(t, token_devices() if groups is None else groups)
     c = t // g
     a4 = _sharded_but(jnp.pad(a, ((0, 0), (0, t * BLOCK - m))).reshape(p, g, c, BLOCK), 2)
     b4 = _sharded_but(jnp.pad(b, ((0, t * BLOCK - m), (0, 0))).reshape(g, c, BLOCK, n), 1)
@@ -278,12 +281,14 @@ def _partitioned_devices() -> int:
     return mesh.size
 
 
-def _token_devices() -> int:
+def token_devices() -> int:
     """The devices an XLA-partitioned step splits the tokens over: those of the mesh axes the
     current rules map "batch" to (sharding.mesh_axes: inside a vmap over replicas or stages
     those axes are the vmap's, not the rows'), the whole mesh without maxmoe's rules, 1 where
-    `_partitioned_devices` is. Why: a G larger than the rows' split is not sharded, and each
-    device kept G float32 partial weight gradients (671B FP8: [32, 18432, 7168], 15.75 GiB)."""
+    `_partitioned_devices` is. Read in the forward trace (fp8_dot's `groups`): a custom VJP's
+    backward traces after the forward's contexts have closed. Why: a G larger than the rows'
+    split is not sharded, and each device kept G float32 partial weight gradients (671B FP8:
+    [32, 18432, 7168], 15.75 GiB)."""
     devices = _partitioned_devices()
     if devices == 1 or current_mesh() is None:
         return devices
@@ -300,8 +305,9 @@ def _sharded_but(x: jax.Array, dim: int) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*dims))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def fp8_dot(x: jax.Array, w: jax.Array, mode: str, amax: AmaxAxes = NO_AXES) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def fp8_dot(x: jax.Array, w: jax.Array, mode: str, amax: AmaxAxes = NO_AXES,
+            groups: int | None = None) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in x.dtype, the forward on E4M3 operands and the
     backward's input gradient (g @ w^T: g in 1x128 tiles, w in the forward's 128x128 blocks)
     and weight gradient (x^T @ g: both in 128x1 tiles along the tokens) too; float32
@@ -310,11 +316,13 @@ def fp8_dot(x: jax.Array, w: jax.Array, mode: str, amax: AmaxAxes = NO_AXES) -> 
     the weight is quantised, and under FSDP gathered, once per step), and x itself (blockwise:
     its token tiles differ from the forward's) or, tensorwise, x in E4M3 with its scale.
     amax: inside shard_map, the mesh axes a tensorwise amax spans (x and g: amax.rows; w:
-    amax.weights); under GSPMD the amax spans every shard already."""
-    return _fp8_dot_fwd(x, w, mode, amax)[0]
+    amax.weights); under GSPMD the amax spans every shard already. groups: the devices x's
+    tokens are split over (token_devices() where the caller traces; None: read in the
+    backward), for the weight gradient's partial sums (token_tiled_matmul)."""
+    return _fp8_dot_fwd(x, w, mode, amax, groups)[0]
 
 
-def _fp8_dot_fwd(x, w, mode, amax):
+def _fp8_dot_fwd(x, w, mode, amax, groups):
     x2 = x.reshape(-1, x.shape[-1])
     if mode == "tensorwise":  # x quantised once: for the product and as the residual
         qw, sw = quantize_whole(w, amax.weights)
@@ -328,7 +336,7 @@ def _fp8_dot_fwd(x, w, mode, amax):
     return y, (xres, qw, sw, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _fp8_dot_bwd(mode, amax, res, g):
+def _fp8_dot_bwd(mode, amax, groups, res, g):
     xres, qw, sw, xdt, wdt = res
     g2 = g.reshape(-1, g.shape[-1])
     if mode == "tensorwise":  # g quantised once, for both products
@@ -336,7 +344,7 @@ def _fp8_dot_bwd(mode, amax, res, g):
         dx, dw = _whole_product(qg, sg, qw.T, sw.T), _whole_product(qx.T, sx, qg, sg)
     else:
         dx = scaled_matmul(g2, qw.T, sw.T, mode)
-        dw = fp8_matmul(xres.T, g2, mode, b_tile=1)
+        dw = fp8_matmul(xres.T, g2, mode, b_tile=1, groups=groups)
     return dx.astype(xdt.dtype).reshape(*g.shape[:-1], qw.shape[0]), dw.astype(wdt.dtype)
 
 
@@ -356,7 +364,7 @@ def project(x: jax.Array, w: jax.Array, mode: str = "none", spec: str | None = N
     if mode == "none":
         return x @ w if spec is None else jnp.einsum(spec, x, w)
     if spec is None:
-        return fp8_dot(x, w, mode)
+        return fp8_dot(x, w, mode, NO_AXES, token_devices())
     inputs, out = spec.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
     contract = [c for c in rhs if c in lhs and c not in out]
@@ -366,6 +374,7 @@ def project(x: jax.Array, w: jax.Array, mode: str = "none", spec: str | None = N
     xt = jnp.einsum(f"{lhs}->{''.join(keep + contract)}", x)
     xt = xt.reshape(*xt.shape[:len(keep)], -1)
     wt = jnp.einsum(f"{rhs}->{''.join(contract + free)}", w)
-    y = fp8_dot(xt, wt.reshape(math.prod(size[c] for c in contract), -1), mode)
+    y = fp8_dot(xt, wt.reshape(math.prod(size[c] for c in contract), -1), mode, NO_AXES,
+                token_devices())
     y = y.reshape(*y.shape[:-1], *(size[c] for c in free))
     return jnp.einsum(f"{''.join(keep + free)}->{out}", y)

@@ -37,7 +37,6 @@ from maxmoe.kernels.fp8 import (
     quantize,
     round_e4m3,
     round_trip,
-    token_tiled_matmul,
 )
 from maxmoe.kernels.fp8_ragged import fp8_ragged_dot
 from maxmoe.kernels.grouped_matmul import blocked_rows, dropless_local
@@ -189,18 +188,26 @@ def test_fp8_dot_amax_is_global_when_sharded(mode, tokens):
 
 @pytest.mark.parametrize("replicas, groups", [((), 8), (("data",), 4), (("data", "fsdp"), 2)])
 def test_weight_gradient_partial_sums_follow_the_rows_split(replicas, groups):
-    """token_tiled_matmul's float32 partial sums [G, P, N]: G is the devices the tokens are
-    split over in the current trace (data 2 x fsdp 2 x expert 2; inside a vmap over replicas,
-    which drops their axes from "batch", the rest), not the whole mesh: a G beyond the rows'
-    split is not sharded, and each device held G weight gradients (671B FP8: 15.75 GiB
-    [32, 18432, 7168] buffers). The G of the loop carry is read from the traced program."""
+    """A blockwise projection's weight gradient sums float32 partials [G, K, N]
+    (token_tiled_matmul): G is the devices the tokens are split over where the forward
+    traced (data 2 x fsdp 2 x expert 2; inside replicas, whose vmap drops their axes from
+    "batch", the rest), not the whole mesh, though the backward traces after the replicas'
+    context has closed, as in the train step. A G beyond the rows' split is not sharded:
+    each device held G weight gradients (671B FP8: 15.75 GiB [32, 18432, 7168] buffers). The
+    G of the loop carry is read from the traced program."""
     sizes = dict(data=2, fsdp=2, pipeline=1, expert=2, tensor=1)
-    a, b = jnp.ones((96, 128 * 128)), jnp.ones((128 * 128, 64))  # 128 tiles: a loop
-    with use_mesh(make_mesh(sizes), DEFAULT_RULES), within_replicas(replicas):
-        jaxpr = jax.make_jaxpr(lambda a, b: token_tiled_matmul(a, b))(a, b)  # no trace cache
+    x, w = jnp.ones((128 * 128, 128)), jnp.ones((128, 64))  # 128 token tiles: a loop
+
+    def backward_after_the_context(x, w):
+        with within_replicas(replicas):
+            y, vjp = jax.vjp(lambda w: project(x, w, "blockwise"), w)
+        return vjp(jnp.ones_like(y))
+
+    with use_mesh(make_mesh(sizes), DEFAULT_RULES):
+        jaxpr = jax.make_jaxpr(backward_after_the_context)(x, w)
     carries = [v.aval.shape for e in jaxpr.eqns if e.primitive.name in ("while", "scan")
                for v in e.outvars if v.aval.ndim == 3]
-    assert carries == [(groups, 96, 64)], carries
+    assert carries == [(groups, 128, 64)], carries
 
 
 def test_blockwise_keeps_outlier_channels_that_tensorwise_flushes():
