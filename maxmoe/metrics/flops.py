@@ -163,19 +163,22 @@ def routed_params_per_token(cfg: Config) -> int:
     return layers * 3 * m.hidden_size * e.expert_mlp_size * e.experts_per_token
 
 
-def flops_by_kernel(cfg: Config) -> dict[str, float]:
+def flops_by_kernel(cfg: Config, routed_in_fp8: bool = True) -> dict[str, float]:
     """Model FLOPs per trained token by the kernel that runs them (KERNEL_CLASSES; they sum to
     flops_per_token exactly): the causal attention core (bf16 under every precision.fp8), the
-    routed experts' grouped GEMMs (routed_fp8 when precision.fp8 is on, else routed_bf16: the
-    slowest expert shard sets their pace) and the other GEMMs of each precision. Why: the planner
-    prices each class at its own kernel-level efficiency (plan/roofline.py)."""
+    routed experts' grouped GEMMs (routed_fp8 when precision.fp8 is on and `routed_in_fp8`,
+    else routed_bf16: the slowest expert shard sets their pace) and the other GEMMs of each
+    precision. routed_in_fp8 False: the grouped kernel runs FP8's values in 16-bit math
+    (kernels/fp8_ragged.dequantised_ragged_dot, tokamax's on SM90). Why: the planner prices
+    each class at its own kernel-level efficiency and peak (plan/roofline.py)."""
     attention = attention_flops_per_token(cfg)
     routed = 6.0 * routed_params_per_token(cfg)
     fp8 = flops_by_precision(cfg)["fp8"]  # includes the routed experts when on
-    routed_fp8, routed_bf16 = (routed, 0.0) if fp8 else (0.0, routed)
+    routed_fp8, routed_bf16 = (routed, 0.0) if fp8 and routed_in_fp8 else (0.0, routed)
+    other_fp8 = fp8 - routed if fp8 else 0.0  # the non-routed GEMMs in FP8
     return {"attention": attention,
-            "gemm_bf16": flops_per_token(cfg) - fp8 - attention - routed_bf16,
-            "gemm_fp8": fp8 - routed_fp8, "routed_bf16": routed_bf16, "routed_fp8": routed_fp8}
+            "gemm_bf16": flops_per_token(cfg) - attention - routed - other_fp8,
+            "gemm_fp8": other_fp8, "routed_bf16": routed_bf16, "routed_fp8": routed_fp8}
 
 
 def class_seconds(flops: dict[str, float], peaks: dict[str, float]) -> float:

@@ -163,6 +163,14 @@ def stand_in_overrides(compiler: str = "cpu") -> list[str]:
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
+def priced_flops(cfg, calls: dict[str, dict[str, int]]) -> dict[str, float]:
+    """flops_by_kernel per token as the step compiled (`calls`: kernel_calls'): routed experts
+    compiled to tokamax's Mosaic kernels run FP8's values in bf16 math
+    (kernels/fp8_ragged.dequantised_ragged_dot), so they are priced as bf16."""
+    mosaic = any(k.startswith("mosaic_gpu") for k in calls.get("moe grouped matmul", {}))
+    return flops_by_kernel(cfg, routed_in_fp8=not mosaic)
+
+
 def kernel_calls(hlo_text: str) -> dict[str, dict[str, int]]:
     """What the MoE's grouped matmuls and attention compiled to: for each part ("moe grouped
     matmul", "attention"), the compiled program's custom-call targets (tokamax's Mosaic GPU
@@ -260,6 +268,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int,
     comm = collective_bytes(hlo, trainer.mesh, devices_per_host)
     batch = abstract_batch(cfg, trainer.batch_sharding)
     mesh = dict(sizes, **{f"dcn_{a}": getattr(cfg.mesh, f"dcn_{a}") for a in sizes})
+    calls = kernel_calls(hlo)
     return {
         "devices": devices, "hosts": math.prod(mesh[f"dcn_{a}"] for a in sizes), "mesh": mesh,
         "remat": cfg.model.remat_policy, "microbatches": cfg.train.grad_accum_steps,
@@ -274,7 +283,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int,
         "replicated": replicated[:20],
         "largest_buffers": largest_buffers(hlo),
         "cudnn_attention_calls": hlo.count("custom_call_target=\"__cudnn$fmha"),
-        "kernel_calls": kernel_calls(hlo),
+        "kernel_calls": calls,
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
         "flops_check": flops_check(hlo, compiled, setup.model_flops / devices,
@@ -283,7 +292,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int,
         "model_flops_fp8_per_step": 6.0 * fp8_params_per_token(cfg) * setup.tokens_per_step,
         # the same FLOPs by the kernel class that prices them (plan/roofline.price_compute)
         "model_flops_by_kernel_per_step": {k: f * setup.tokens_per_step
-                                           for k, f in flops_by_kernel(cfg).items()},
+                                           for k, f in priced_flops(cfg, calls).items()},
         # the expert dispatch + combine as balanced routing sends them (None: not all_to_all or
         # two_level)
         "routed_dispatch_bytes": routed_dispatch_bytes(cfg, sizes, {

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import jax.numpy as jnp
 import numpy as np
 
-from maxmoe.cluster import Cluster
+from maxmoe.cluster import Cluster, gpu_target
 from maxmoe.config import MESH_AXES, Config, ConfigError
 from maxmoe.metrics.flops import flops_by_kernel, flops_per_token
 from maxmoe.model.spec import layer_groups, pipeline_idle
@@ -417,6 +417,14 @@ def comm_bytes(cfg: Config, layout: Layout, state) -> dict:
     return out
 
 
+def dequantised_routed(cfg: Config, cluster: Cluster) -> bool:
+    """Whether the routed experts' grouped GEMMs would run FP8's values in bf16 math on the
+    cluster: precision.fp8 on and moe.grouped_matmul tokamax, which auto resolves to on an
+    NVIDIA GPU kind (one whose file has a gpu_target): kernels/fp8_ragged.dequantised_ragged_dot."""
+    return (cfg.precision.fp8 != "none" and cfg.moe.grouped_matmul in ("auto", "tokamax")
+            and gpu_target(cluster.kind) is not None)
+
+
 def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     """The analytic figures of one layout given its StateBytes."""
     act = activation_bytes(cfg, layout)
@@ -429,7 +437,8 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     peak = state.total + batch + temporaries
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     bubble = pipeline_idle(cfg.model, layout.sizes["pipeline"])  # with chunk padding
-    price = price_compute({k: f * tokens for k, f in flops_by_kernel(cfg).items()},
+    price = price_compute({k: f * tokens for k, f in flops_by_kernel(
+                              cfg, routed_in_fp8=not dequantised_routed(cfg, cluster)).items()},
                           cluster.devices, cluster,
                           imbalance=DEFAULT_LOAD_IMBALANCE if layout.sizes["expert"] > 1 else 1.0,
                           recompute=1.0 if layout.remat == "none" else FULL_RECOMPUTE)

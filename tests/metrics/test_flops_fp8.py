@@ -102,6 +102,20 @@ def test_tiny_v3_split_by_kernel_by_hand(fp8):
     assert sum(split.values()) == flops_per_token(cfg)  # exactly, the same total
 
 
+def test_dequantised_routed_experts_are_priced_in_16_bit():
+    """routed_in_fp8 False (the grouped kernel runs FP8's values in bf16 math: tokamax on
+    SM90): under blockwise the routed FLOPs move to routed_bf16, the other FP8 GEMMs stay
+    gemm_fp8, the total is unchanged; without FP8 it changes nothing."""
+    cfg = tiny_v3("blockwise")
+    routed = 6 * 4 * 2 * 3 * 128 * 64
+    fp8, deq = flops_by_kernel(cfg), flops_by_kernel(cfg, routed_in_fp8=False)
+    assert deq["routed_fp8"] == 0 and deq["routed_bf16"] == fp8["routed_fp8"] == routed
+    assert deq["gemm_fp8"] == fp8["gemm_fp8"] > 0 and deq["gemm_bf16"] == fp8["gemm_bf16"]
+    assert sum(deq.values()) == flops_per_token(cfg)
+    assert flops_by_kernel(tiny_v3("none"), routed_in_fp8=False) == flops_by_kernel(
+        tiny_v3("none"))
+
+
 def test_mfu_denominator_follows_the_classes():
     """3 s for 6e12 bf16-class + 12e12 fp8-class FLOPs on peaks 1e12 / 4e12: the classes need
     6 + 3 = 9 s at peak, so MFU is 9 / 3 = 3 (a made-up peak, to check the arithmetic); over the

@@ -23,7 +23,7 @@ from maxmoe.plan.gpu_aot import (  # noqa: E402
     score_matrices,
     unknown_trip_loops,
 )
-from maxmoe.plan.probe import compile_step, kernel_calls  # noqa: E402
+from maxmoe.plan.probe import compile_step, kernel_calls, priced_flops  # noqa: E402
 
 pytestmark = pytest.mark.gpu_aot
 
@@ -128,5 +128,8 @@ def test_tiny_fp8_blockwise_projections_run_fp8_experts_dequantised():
         assert counts["f8_dots"] == counts["dots"] > 0, (part, counts)
     experts = fp8_counts(hlo, "grouped_matmul")
     assert experts["f8_dots"] == experts["f8_ragged_dots"] == 0, experts
+    # so the plan prices them at the bf16 peak, the other FP8 GEMMs at the FP8 one
+    priced = priced_flops(cfg, kernel_calls(hlo))
+    assert priced["routed_fp8"] == 0 < priced["routed_bf16"] and priced["gemm_fp8"] > 0, priced
     assert any("reduce-precision(" in line and "grouped_matmul" in line
                for line in hlo.splitlines())

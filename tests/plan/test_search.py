@@ -85,3 +85,17 @@ def test_the_671b_recipe_estimate_is_near_its_compile_and_pipelined_zero1_ranks_
             <= RECIPE_COMPILED_PEAK * RECIPE_ESTIMATE_FACTOR, e.peak / 2**30
     best = ranking.fitting[0].layout
     assert best.weights == "zero1" and best.sizes["pipeline"] > 1
+
+
+def test_fp8_routed_experts_priced_as_they_would_compile():
+    """The pre-ranker prices FP8 routed experts in bf16 where moe.grouped_matmul auto would
+    resolve to tokamax's kernels, which run FP8's values dequantised (an NVIDIA GPU kind: a
+    file with gpu_target), and in FP8 on a CPU cluster (the blocked kernel's E4M3 dots) or
+    with moe.grouped_matmul=blocked; never without precision.fp8."""
+    def dequantised(*overrides, cluster="2048xh800"):
+        cfg, _ = load_config(["configs/models/deepseek_v3_671b.yaml"], list(overrides))
+        return search.dequantised_routed(cfg, load_cluster(cluster))
+    assert dequantised("precision.fp8=blockwise")
+    assert not dequantised("precision.fp8=blockwise", "moe.grouped_matmul=blocked")
+    assert not dequantised("precision.fp8=blockwise", cluster="8xcpu")
+    assert not dequantised()
