@@ -283,8 +283,8 @@ def _partitioned_devices() -> int:
 
 def token_devices() -> int:
     """The devices an XLA-partitioned step splits the tokens over: those of the mesh axes the
-    current rules map "batch" to (sharding.mesh_axes: inside a vmap over replicas or stages
-    those axes are the vmap's, not the rows'), the whole mesh without maxmoe's rules, 1 where
+    current rules map "batch" and "seq" to (sharding.mesh_axes: inside a vmap over replicas or
+    stages those axes are the vmap's, not the rows'), the whole mesh without maxmoe's rules, 1 where
     `_partitioned_devices` is. Read in the forward trace (fp8_dot's `groups`): a custom VJP's
     backward traces after the forward's contexts have closed. Why: a G larger than the rows'
     split is not sharded, and each device kept G float32 partial weight gradients (671B FP8:
@@ -292,7 +292,7 @@ def token_devices() -> int:
     devices = _partitioned_devices()
     if devices == 1 or current_mesh() is None:
         return devices
-    return math.prod(current_mesh().shape[a] for a in mesh_axes("batch"))
+    return math.prod(current_mesh().shape[a] for a in {*mesh_axes("batch"), *mesh_axes("seq")})
 
 
 def _sharded_but(x: jax.Array, dim: int) -> jax.Array:
