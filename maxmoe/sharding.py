@@ -204,8 +204,7 @@ def shard(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
 
 
 def path_keys(path) -> tuple:
-    """A jax.tree_util key path -> the pure dict's keys (str, or int for layer groups and
-    list items), e.g. ("layer_groups", 1, "mlp", "gate")."""
+    """A jax.tree_util key path -> its pure-dict keys, e.g. ("layer_groups", 1, "mlp", "up")."""
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
