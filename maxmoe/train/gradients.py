@@ -16,6 +16,7 @@ row-group scan reduces none of their gradients either.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -169,14 +170,17 @@ def outer_params(cfg: Config, mesh, copy):
     stages = set(cfg.mesh.rules.get("stage", []))  # where the copy keeps them, dropped
     used = {a for c, o in zip(jax.tree.leaves(copy), jax.tree.leaves(outer), strict=True)
             if o for e in c.spec for a in _without(e, stages)}
-    axes = []
-    for a in (a for a in cfg.mesh.rules.get("batch", []) if mesh.shape[a] > 1):
-        if a in used:
-            break
-        axes.append(a)
+    axes = _leading_batch_axes(cfg, mesh, lambda a: a not in used)
     if not axes:
         return jax.tree.map(lambda _: False, outer), ()
-    return outer, tuple(axes)
+    return outer, axes
+
+
+def _leading_batch_axes(cfg: Config, mesh, ok) -> tuple[str, ...]:
+    """The leading axes of the rules' batch split (size > 1) while ok(axis): a group of them
+    holds a leading block of the batch's rows, as the vmaps over replicas need."""
+    return tuple(itertools.takewhile(
+        ok, (a for a in cfg.mesh.rules.get("batch", []) if mesh.shape[a] > 1)))
 
 
 def stack_kinds(cfg: Config, mesh, abstract_vars):
@@ -208,16 +212,12 @@ def unpiped_groups(cfg: Config, mesh, copy, kind, groups: tuple) -> tuple:
     between (the batch is split data, fsdp, expert, pipeline), as the replicas' rows must be
     a leading block of the batch split (replicas.on_replicas)."""
     stage, experts = cfg.mesh.rules.get("stage", []), cfg.mesh.rules.get("experts", [])
-    lead = [a for a in cfg.mesh.rules.get("batch", []) if mesh.shape[a] > 1]
     out = []
     for k, extra in ((2, (*stage, *experts)), (3, stage)):
         used = {a for c, n in zip(jax.tree.leaves(copy), jax.tree.leaves(kind), strict=True)
                 if n == k for e in c.spec for a in _without(e, ())}
-        axes = []
-        for a in lead:
-            if a in used or a not in (*groups, *extra):
-                break
-            axes.append(a)
+        axes = _leading_batch_axes(
+            cfg, mesh, lambda a, used=used, extra=extra: a not in used and a in (*groups, *extra))
         spans = set(groups) <= set(axes) and set(axes) & set(stage)
         out.append(tuple(axes) if spans else ())
     return tuple(out)
