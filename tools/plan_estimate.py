@@ -7,7 +7,7 @@ import sys
 
 from maxmoe.cluster import load_cluster
 from maxmoe.config_files import load_config
-from maxmoe.plan import search
+from maxmoe.plan import prerank
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.validation import dcn_sizes, validate
 
@@ -15,9 +15,10 @@ files, over, clus = sys.argv[1].split(","), sys.argv[2].split(",") if sys.argv[2
 cfg, origins = load_config(files, over)
 cluster = load_cluster(clus)
 sizes = validate(cfg, cluster.devices, origins, cluster.hosts)
-layout = search.Layout(sizes, dcn_sizes(cfg), cfg.model.remat_policy, cfg.train.grad_accum_steps)
+layout = prerank.Layout(sizes, dcn_sizes(cfg), cfg.model.remat_policy, cfg.train.grad_accum_steps,
+                        cfg.mesh.weights)
 st = state_bytes(cfg, sizes)
-est = search.estimate(cfg, layout, cluster, st)
-print(search.transport(cfg, layout), f"peak {est.peak/2**30:.1f} GiB temp {est.temporaries/2**30:.1f} step {est.step_s:.2f}")
-for a, v in search.comm_bytes(cfg, layout, st).items():
+est = prerank.estimate(cfg, layout, cluster, st)
+print(prerank.transport(cfg, layout), f"peak {est.peak/2**30:.1f} GiB temp {est.temporaries/2**30:.1f} step {est.step_s:.2f}")
+for a, v in prerank.comm_bytes(cfg, layout, st).items():
     print(a, {k: round(x/1e9,1) for k,x in v["estimate"].items()})

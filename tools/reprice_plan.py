@@ -18,9 +18,9 @@ from pathlib import Path
 from maxmoe.cluster import load_cluster
 from maxmoe.config_files import load_config
 from maxmoe.metrics.flops import flops_by_kernel, flops_per_token
+from maxmoe.plan.prerank import routed_dispatch_bytes
 from maxmoe.plan.report import compute_price, expert_all_to_all, priced_collectives
 from maxmoe.plan.roofline import cost, link_bytes, parse_tokens, step_time
-from maxmoe.plan.search import routed_dispatch_bytes
 
 
 def last_plan(path: str) -> dict:

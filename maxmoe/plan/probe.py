@@ -45,8 +45,8 @@ from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.compiled_flops import flops_check
 from maxmoe.plan.hlo import dtype_bytes
 from maxmoe.plan.overlap import cluster_rates, schedule_overlap
+from maxmoe.plan.prerank import routed_dispatch_bytes
 from maxmoe.plan.report import compute_price, expert_all_to_all, priced_collectives
-from maxmoe.plan.search import routed_dispatch_bytes
 from maxmoe.sharding import use_mesh
 from maxmoe.train.setup import RunSetup, prepare_run
 from maxmoe.validation import validate

@@ -26,7 +26,7 @@ GIB = 2.0**30
 
 def priced_collectives(comm: dict, routed: dict | None, imbalance: float) -> dict:
     """`comm` (collective_bytes' {axis: {kind: {link: bytes}}}) with the expert axis's compiled
-    all-to-all replaced by `routed` (search.routed_dispatch_bytes) x `imbalance`: what the step
+    all-to-all replaced by `routed` (prerank.routed_dispatch_bytes) x `imbalance`: what the step
     is priced with. `comm` itself where routed is None (other transports send what compiled)."""
     if routed is None:
         return comm

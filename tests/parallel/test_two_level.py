@@ -27,8 +27,8 @@ from maxmoe.parallel.dispatch import ExpertShards, describe_transport, resolve_t
 from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.gpu_aot import gpu_devices, unknown_trip_loops
+from maxmoe.plan.prerank import TWO_LEVEL_HOP1_EXCHANGES
 from maxmoe.plan.probe import abstract_batch
-from maxmoe.plan.search import TWO_LEVEL_HOP1_EXCHANGES
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
 from maxmoe.validation import dcn_sizes, validate
@@ -224,7 +224,7 @@ def test_two_level_under_the_pipeline_crosses_hosts_less_in_the_compiled_step():
 
 
 def test_hop_one_sends_the_planners_count_of_row_buffers_across_hosts():
-    """search.TWO_LEVEL_HOP1_EXCHANGES, which prices two_level's routed bytes, is what the
+    """prerank.TWO_LEVEL_HOP1_EXCHANGES, which prices two_level's routed bytes, is what the
     compiled step runs: unpipelined (data 2 x expert 4 over 2 hosts, float32, remat full), the
     cross-host expert all-to-all bytes per MoE layer are exactly that many hop-1 row buffers
     ((H - 1) x T rows of D) plus 5 buffers of the (H - 1) x T x K router weights (forward,

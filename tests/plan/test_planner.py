@@ -9,7 +9,7 @@ import pytest
 from maxmoe.cli import main
 from maxmoe.cluster import load_cluster
 from maxmoe.config_files import load_config
-from maxmoe.plan import search
+from maxmoe.plan import prerank, search
 from maxmoe.plan.estimate import state_bytes
 from maxmoe.plan.probe import largest_buffers, model_part, run_probe
 from maxmoe.validation import validate
@@ -58,10 +58,10 @@ def test_analytic_estimate_close_to_the_compile(measured, name):
     cfg, origins = load_config(TINY_V3[:2], TINY_V3[2:] + LAYOUTS[name])
     cluster = load_cluster("8xcpu")
     sizes = validate(cfg, 8, origins, 1)
-    layout = search.Layout(sizes, dict.fromkeys(sizes, 1), cfg.model.remat_policy,
+    layout = prerank.Layout(sizes, dict.fromkeys(sizes, 1), cfg.model.remat_policy,
                            cfg.train.grad_accum_steps, cfg.mesh.weights)
     state = state_bytes(cfg, sizes)
-    est = search.estimate(cfg, layout, cluster, state)
+    est = prerank.estimate(cfg, layout, cluster, state)
     m = measured[name]
     assert state.params == m["state"]["params"]
     assert state.opt_state == m["state"]["opt_state"]
@@ -81,10 +81,10 @@ def test_analytic_collectives_within_a_factor_of_the_compile(measured, name):
     estimate that ranks layouts before any compile is within COMM_FACTOR of the HLO's bytes."""
     cfg, origins = load_config(TINY_V3[:2], TINY_V3[2:] + LAYOUTS[name])
     sizes = validate(cfg, 8, origins, 1)
-    layout = search.Layout(sizes, dict.fromkeys(sizes, 1), cfg.model.remat_policy,
+    layout = prerank.Layout(sizes, dict.fromkeys(sizes, 1), cfg.model.remat_policy,
                            cfg.train.grad_accum_steps, cfg.mesh.weights)
     est = sum(sum(v["estimate"].values()) for v in
-              search.comm_bytes(cfg, layout, state_bytes(cfg, sizes)).values())
+              prerank.comm_bytes(cfg, layout, state_bytes(cfg, sizes)).values())
     compiled = sum(sum(link.values()) for kinds in measured[name]["collectives"].values()
                    for link in kinds.values())
     assert compiled / COMM_FACTOR <= est <= compiled * COMM_FACTOR, (est, compiled)

@@ -11,6 +11,7 @@ from maxmoe.cluster import load_cluster
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.metrics.flops import flops_by_kernel, flops_per_token
+from maxmoe.plan.prerank import ALL_TO_ALL_EXCHANGES, routed_dispatch_bytes
 from maxmoe.plan.report import priced_collectives
 from maxmoe.plan.roofline import (
     FALLBACK_EFFICIENCY,
@@ -28,7 +29,6 @@ from maxmoe.plan.roofline import (
     step_time,
     throughput,
 )
-from maxmoe.plan.search import ALL_TO_ALL_EXCHANGES, routed_dispatch_bytes
 
 # round figures so every expectation below is plain arithmetic on the inputs
 TOY = dataclasses.replace(load_cluster("16xh100"), peak_bf16_flops=1e12, ici_bandwidth=1e9,

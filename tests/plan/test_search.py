@@ -1,9 +1,10 @@
-"""The search's analytic MoE buffer rows (`search.moe_rows`) against the dispatch's own slot
+"""The search's analytic MoE buffer rows (`prerank.moe_rows`) against the dispatch's own slot
 arithmetic, worked by hand here; its mesh.weights modes' weight traffic."""
 
 from maxmoe.cluster import load_cluster
 from maxmoe.config_files import load_config
-from maxmoe.plan import search
+from maxmoe.plan import prerank, search
+from maxmoe.plan.estimate import state_bytes
 from maxmoe.validation import validate
 
 
@@ -16,10 +17,10 @@ def test_capacity_rows_are_whole_slots_per_sequence():
                                 "data.seq_len=100", "data.global_batch_size=16",
                                 "moe.dispatch=capacity", "moe.capacity_factor=1.1"])
     sizes = validate(cfg, 8, origins, 1)
-    layout = search.Layout(sizes, dict.fromkeys(sizes, 1), "full", 1)
-    t = search.tokens_per_device(cfg, sizes, 1)
+    layout = prerank.Layout(sizes, dict.fromkeys(sizes, 1), "full", 1)
+    t = prerank.tokens_per_device(cfg, sizes, 1)
     assert t == 200
-    assert search.moe_rows(cfg, layout, t) == 448
+    assert prerank.moe_rows(cfg, layout, t) == 448
 
 
 def test_zero1_gathers_once_per_step_and_holds_a_copy():
@@ -29,11 +30,11 @@ def test_zero1_gathers_once_per_step_and_holds_a_copy():
     temporaries add the copy and its float32 sums ((w + 4) bytes per copy element)."""
     cfg, origins = load_config(["configs/tiny.yaml"], ["precision.compute_dtype=bfloat16"])
     sizes = validate(cfg, 8, origins, 1)
-    state = search.state_bytes(cfg, sizes)
+    state = state_bytes(cfg, sizes)
     assert state.copy_elements > 0
-    layouts = {w: search.Layout(sizes, dict.fromkeys(sizes, 1), "full", 4, w)
+    layouts = {w: prerank.Layout(sizes, dict.fromkeys(sizes, 1), "full", 4, w)
                for w in ("zero3", "zero1")}
-    sent = {w: search.gather_bytes(layout, state.gathered, 2) for w, layout in layouts.items()}
+    sent = {w: prerank.gather_bytes(layout, state.gathered, 2) for w, layout in layouts.items()}
     assert sent["zero3"] and set(sent["zero1"]) == set(sent["zero3"])
     for axis, n in sent["zero3"].items():
         assert abs(sent["zero1"][axis] / n - 4 / ((4 + 4) * 4)) < 1e-12
@@ -51,11 +52,11 @@ def test_zero3_gathers_at_every_pipeline_iteration_or_row_group():
              "data.global_batch_size=32"]
     cfg, origins = load_config(["configs/tiny.yaml"], items)
     sizes = validate(cfg, 8, origins, 1)
-    assert search.weight_reads(cfg, search.Layout(sizes, dict.fromkeys(sizes, 1), "full", 1)) \
+    assert prerank.weight_reads(cfg, prerank.Layout(sizes, dict.fromkeys(sizes, 1), "full", 1)) \
         == 2 * 4 + 2 - 1
     flat, _ = load_config(["configs/tiny.yaml"], ["model.outer_microbatches=2"])
     sizes = validate(flat, 8, {}, 1)
-    assert search.weight_reads(flat, search.Layout(sizes, dict.fromkeys(sizes, 1), "full", 1)) == 2
+    assert prerank.weight_reads(flat, prerank.Layout(sizes, dict.fromkeys(sizes, 1), "full", 1)) == 2
 
 
 # the recipe's XLA:GPU compile (docs/performance/gpu.md, "The DeepSeek recipe at 2048 x H800",
@@ -94,7 +95,7 @@ def test_fp8_routed_experts_priced_as_they_would_compile():
     with moe.grouped_matmul=blocked; never without precision.fp8."""
     def dequantised(*overrides, cluster="2048xh800"):
         cfg, _ = load_config(["configs/models/deepseek_v3_671b.yaml"], list(overrides))
-        return search.dequantised_routed(cfg, load_cluster(cluster))
+        return prerank.dequantised_routed(cfg, load_cluster(cluster))
     assert dequantised("precision.fp8=blockwise")
     assert not dequantised("precision.fp8=blockwise", "moe.grouped_matmul=blocked")
     assert not dequantised("precision.fp8=blockwise", cluster="8xcpu")
