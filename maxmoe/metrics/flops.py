@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from maxmoe.cluster import device_kind, kind_slug, load_device_kind
 from maxmoe.config import Config
 from maxmoe.model.spec import layer_groups
+from maxmoe.parallel.schedule import pipeline_schedule
 
 
 def attention_params(cfg: Config) -> int:
@@ -97,6 +98,22 @@ def mtp_active_params_per_token(cfg: Config) -> int:
 
 
 FLOP_CONVENTION = "6 x active params + causal attention (half of S^2; MaxText/Megatron)"
+
+
+def recompute_factor(cfg: Config, stages: int) -> float:
+    """FLOPs a step runs over its model FLOPs (FLOP_CONVENTION counts one forward, 2 of 6):
+    1 + 1/3 for each forward run again, each layer weighted by its share of the FLOPs a token
+    costs. model.remat_policy other than none re-runs every block's forward once in the
+    backward (an upper bound for the policies that save some tensors); a layer a pipeline of
+    `stages` stages runs is re-run PipelineSchedule.forward_reruns times (its per-iteration
+    remat on top)."""
+    m = cfg.model
+    schedule = pipeline_schedule(m, stages)
+    layer = attention_flops_per_token(cfg) / (m.num_layers + m.mtp_depth)  # + 6 x params
+    extra = sum(n * (6 * block_active_params(cfg, is_moe) + layer)
+                * (schedule.forward_reruns(n, m.remat_policy) - (m.remat_policy != "none"))
+                for is_moe, _, n in layer_groups(m) if schedule.pipelines(n))
+    return 1 + ((m.remat_policy != "none") + extra / flops_per_token(cfg)) / 3
 
 
 def attention_flops_per_token(cfg: Config) -> float:

@@ -18,8 +18,8 @@ Two counts, both per device and per step:
   bound, and `uncounted_custom_calls` lists them.
 
 The check compares compiled_flops with the model's per-device FLOPs (6 x active params +
-causal attention; remat recompute not counted): `allowed` is 1.0 with remat_policy none and
-4/3 otherwise (a policy may recompute at most the forward, 2 of the 6). `verdict`:
+causal attention; remat recompute not counted): `allowed` is metrics.flops.recompute_factor,
+the forwards the remat policy and a pipeline's per-iteration remat may run again. `verdict`:
 - "not judged" where a loop was counted once (the count is no bound either way), `flag` None;
 - "flagged" where the ratio exceeds 1.2 x allowed, `flag` True;
 - "within (a lower bound)" where custom calls were left uncounted: a ratio under the limit then
@@ -46,7 +46,6 @@ from maxmoe.plan.hlo import (
 )
 
 TOLERANCE = 1.2  # compiled over model FLOPs beyond allowed x this is flagged
-FULL_RECOMPUTE = 4 / 3  # fwd 2 + bwd 4 + the forward again, over 6
 _DIMS = re.compile(r"\[([\d,]*)\]")
 _GEMM = re.compile(r'custom_call_target="(__cublas\$[^"]*)"')
 _CALL = re.compile(r'custom_call_target="([^"]+)"')
@@ -125,10 +124,9 @@ def xla_flops(compiled) -> float | None:
     return None if value is None else float(value)
 
 
-def flops_check(hlo_text: str, compiled, model_flops_per_device: float, remat: str) -> dict:
+def flops_check(hlo_text: str, compiled, model_flops_per_device: float, allowed: float) -> dict:
     """The plan's FLOPs figures and check (module docstring), JSON-ready."""
     tally = matmul_flops(hlo_text)
-    allowed = 1.0 if remat == "none" else FULL_RECOMPUTE
     ratio = tally.flops / model_flops_per_device
     uncounted = {k: round(v) for k, v in sorted(tally.uncounted.items())}
     if tally.loops_once:

@@ -18,12 +18,11 @@ import numpy as np
 
 from maxmoe.cluster import Cluster, gpu_target
 from maxmoe.config import MESH_AXES, Config
-from maxmoe.metrics.flops import flops_by_kernel, flops_per_token
+from maxmoe.metrics.flops import flops_by_kernel, flops_per_token, recompute_factor
 from maxmoe.model.spec import layer_groups, pipeline_idle
 from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
 from maxmoe.parallel.schedule import pipeline_schedule
-from maxmoe.plan.compiled_flops import FULL_RECOMPUTE
 from maxmoe.plan.roofline import (
     DEFAULT_LOAD_IMBALANCE,
     hosts_reached,
@@ -137,12 +136,21 @@ FP8_DISPATCH_EXCHANGES = 2
 FP8_WIRE_BYTES = 1 + 4 / 128
 
 
-# two_level's hop 1 exchanges of the token rows per MoE layer: dispatch and combine forward, their
-# two gradients, and the dispatch again where remat re-runs the layer's forward (the combine's
-# re-run is dead code). Compiled tiny DeepSeek (expert 8 over 2 hosts, XLA:GPU), hop 1's
-# cross-host bytes are exactly 4 (remat none) and 5 (full) buffers of token rows per layer, plus
-# the small router-weight and expert-id exchanges (docs/performance/planning.md, "two_level priced at routed bytes")
-TWO_LEVEL_HOP1_EXCHANGES = {"none": 4, "recomputed": 5}
+# two_level's hop 1 exchanges of the token rows per MoE layer: dispatch and combine forward and
+# their two gradients, and the dispatch again each time the backward re-runs the layer's
+# forward (the combine's re-run is dead code), but for the per-iteration remat of a pipeline
+# with more than one slot a stage, whose combine feeds the next slot. Compiled
+# (tests/parallel/test_two_level.py), hop 1's cross-host bytes are exactly 4 (remat none) and
+# 5 (full) buffers of token rows per layer unpipelined, 6 and 7 pipelined at 2 slots a stage,
+# 5 at one, plus the small router-weight and expert-id exchanges (docs/performance/planning.md,
+# "two_level priced at routed bytes")
+HOP1_FORWARD_AND_GRADIENTS = 4
+
+
+def hop1_exchanges(dispatch_reruns: int, combine_reruns: int) -> tuple[int, int]:
+    """(hop-1 row exchanges per MoE layer, how many of them are dispatches: FP8 on the wire
+    under precision.fp8; the combines and gradients travel in the compute dtype)."""
+    return HOP1_FORWARD_AND_GRADIENTS + dispatch_reruns + combine_reruns, 1 + dispatch_reruns
 
 
 def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int]
@@ -151,34 +159,52 @@ def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int
     balanced routing (`sizes` the layout, `dcn` its DCN factors); None for the transports whose
     compiled bytes are what they send (all_gather, capacity) or an expert axis of 1. The tokens
     are a device's stage batch shard; the MTP depths count as stack layers (exact without a
-    pipeline).
+    pipeline). The backward's re-runs of a layer's forward (model.remat_policy, a pipeline's
+    per-iteration remat: PipelineSchedule.forward_reruns) send its dispatch again, and at more
+    than one pipeline slot a stage its combine too (`hop1_exchanges`; all_to_all: both).
     - all_to_all: roofline.routed_all_to_all_bytes, ALL_TO_ALL_EXCHANGES exchanges.
     - two_level: hop 1 sends each token once to each other host its experts lie on
-      (roofline.hosts_reached), TWO_LEVEL_HOP1_EXCHANGES times, all across hosts; hop 2 is
+      (roofline.hosts_reached), `hop1_exchanges` times, all across hosts; hop 2 is
       all_to_all's exchanges over one host's shards, inside it.
-    Under precision.fp8 the dispatch exchanges (FP8_DISPATCH_EXCHANGES; hop 1: the forward and
-    its re-run) count FP8_WIRE_BYTES an element."""
+    Under precision.fp8 the dispatch exchanges (all_to_all: FP8_DISPATCH_EXCHANGES; hop 1:
+    `hop1_exchanges`' dispatches) count FP8_WIRE_BYTES an element."""
     e, m, ep = cfg.moe, cfg.model, sizes["expert"]
     how = "capacity" if e.dispatch == "capacity" else choose_transport(e, ep, dcn["expert"])
     if ep == 1 or how not in ("all_to_all", "two_level"):
         return None
-    groups = layer_groups(m)
-    layers = (sum(n for is_moe, _, n in groups if is_moe) / sizes["pipeline"]
-              + (m.mtp_depth if groups[-1][0] else 0))
+    groups, stages = layer_groups(m), sizes["pipeline"]
+    schedule = pipeline_schedule(m, stages)
+    # MoE layers one device runs per step at a stage's tokens, by their forward re-runs
+    # (dispatch, combine): the pipelined group, the rest (MTP depths included)
+    remat = int(m.remat_policy != "none")
+    runs: dict[tuple[int, int], float] = {(remat, 0): m.mtp_depth if groups[-1][0] else 0}
+    for n in (n for is_moe, _, n in groups if is_moe):
+        key = ((schedule.forward_reruns(n, m.remat_policy), int(schedule.slots(n) > 1))
+               if schedule.pipelines(n) else (remat, 0))
+        runs[key] = runs.get(key, 0) + n / stages
     tokens = cfg.data.global_batch_size * cfg.data.seq_len / stage_batch_shards(cfg, sizes)
     hosts = (e.expert_hosts or dcn["expert"]) if how == "two_level" else dcn["expert"]
-    inside = routed_all_to_all_bytes(tokens, e.experts_per_token, m.hidden_size,
-                                     _wire_width(cfg, ALL_TO_ALL_EXCHANGES, FP8_DISPATCH_EXCHANGES),
-                                     ep if how == "all_to_all" else ep // hosts,
-                                     ep // hosts, ALL_TO_ALL_EXCHANGES, layers)
+    inside = {"ici": 0.0, "dcn": 0.0}
+    for (_, rerun), layers in runs.items():  # all_to_all's: the combine's rerun adds both
+        exchanges = ALL_TO_ALL_EXCHANGES + 2 * rerun
+        sent = routed_all_to_all_bytes(
+            tokens, e.experts_per_token, m.hidden_size,
+            _wire_width(cfg, exchanges, FP8_DISPATCH_EXCHANGES + rerun),
+            ep if how == "all_to_all" else ep // hosts, ep // hosts, exchanges, layers)
+        inside = {link: inside[link] + sent[link] for link in inside}
     if how == "all_to_all":
         return inside
-    exchanges = TWO_LEVEL_HOP1_EXCHANGES["none" if m.remat_policy == "none" else "recomputed"]
     reached = hosts_reached(e.num_experts, e.experts_per_token, e.num_groups,
                             e.groups_per_token, hosts)
-    width = _wire_width(cfg, exchanges, exchanges - 3)
-    across = exchanges * tokens * reached * (hosts - 1) / hosts * m.hidden_size * width * layers
+    rows = sum(layers * _exchange_bytes(cfg, *hop1_exchanges(*key)) for key, layers in runs.items())
+    across = tokens * reached * (hosts - 1) / hosts * m.hidden_size * rows
     return {"ici": inside["ici"], "dcn": across}  # hop 2 stays inside the host
+
+
+def _exchange_bytes(cfg: Config, exchanges: int, dispatches: int) -> float:
+    """Bytes per element of `exchanges` exchanges together, `dispatches` of them in FP8 under
+    precision.fp8."""
+    return exchanges * _wire_width(cfg, exchanges, dispatches)
 
 
 def _wire_width(cfg: Config, exchanges: int, dispatches: int) -> float:
@@ -335,7 +361,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
                               cfg, routed_in_fp8=not dequantised_routed(cfg, cluster)).items()},
                           cluster.devices, cluster,
                           imbalance=DEFAULT_LOAD_IMBALANCE if layout.sizes["expert"] > 1 else 1.0,
-                          recompute=1.0 if layout.remat == "none" else FULL_RECOMPUTE)
+                          recompute=recompute_factor(layout.apply(cfg), layout.sizes["pipeline"]))
     step = step_time(flops_per_token(cfg) * tokens, cluster.devices, cluster,
                      comm_bytes(cfg, layout, state), bubble, efficiency=price.efficiency,
                      peak=price.peak)

@@ -38,7 +38,7 @@ from maxmoe.cluster import Cluster
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.kernels.tokamax_ops import kernel_device
-from maxmoe.metrics.flops import flops_by_kernel, fp8_params_per_token
+from maxmoe.metrics.flops import flops_by_kernel, fp8_params_per_token, recompute_factor
 from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
@@ -286,8 +286,9 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int,
         "kernel_calls": calls,
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
+        "recompute_factor": recompute_factor(cfg, sizes["pipeline"]),
         "flops_check": flops_check(hlo, compiled, setup.model_flops / devices,
-                                   cfg.model.remat_policy),
+                                   recompute_factor(cfg, sizes["pipeline"])),
         # the FP8 class's share (metrics.flops.MFU_CONVENTION; 0 with precision.fp8 none)
         "model_flops_fp8_per_step": 6.0 * fp8_params_per_token(cfg) * setup.tokens_per_step,
         # the same FLOPs by the kernel class that prices them (plan/roofline.price_compute)

@@ -9,7 +9,6 @@ import yaml
 
 from maxmoe.cluster import Cluster
 from maxmoe.config import DEFAULT_RULES, MESH_AXES, Config
-from maxmoe.plan.compiled_flops import FULL_RECOMPUTE
 from maxmoe.plan.roofline import (
     DEFAULT_LOAD_IMBALANCE,
     LOAD_IMBALANCE_SOURCE,
@@ -57,7 +56,7 @@ def compute_price(measured: dict, cluster: Cluster, load_imbalance: float | None
     source = LOAD_IMBALANCE_SOURCE if load_imbalance is None else "--load-imbalance"
     if measured["mesh"].get("expert", 1) == 1:
         imbalance, source = 1.0, "1: one expert shard (mesh.expert 1)"
-    recompute = 1.0 if measured.get("remat", "none") == "none" else FULL_RECOMPUTE
+    recompute = measured["recompute_factor"]  # metrics.flops.recompute_factor, set by the probe
     price = price_compute(by_kernel, measured["devices"], cluster, imbalance=imbalance,
                           recompute=recompute)
     return price, imbalance, source, recompute

@@ -5,7 +5,13 @@ documents."""
 import pytest
 
 from maxmoe.config_files import load_config
-from maxmoe.metrics.flops import attention_flops_per_token, flops_per_token
+from maxmoe.metrics.flops import (
+    attention_flops_per_token,
+    block_active_params,
+    flops_per_token,
+    recompute_factor,
+)
+from tests.helpers import small_config
 
 REFERENCE = "configs/bench/cpu_mixtral_tiny.yaml"
 # MaxText's own count for the CPU reference shape (Mixtral-style decoder, dropless MoE, causal
@@ -51,3 +57,23 @@ def test_attention_is_counted_causally(preset):
     assert attention_flops_per_token(cfg) == pytest.approx(full / 2)
     longer, _ = load_config(["configs/tiny.yaml", preset], [f"data.seq_len={2 * s}"])
     assert attention_flops_per_token(longer) == pytest.approx(2 * attention_flops_per_token(cfg))
+
+
+def test_recompute_factor_counts_each_forward_run_again():
+    """recompute_factor: 1 + 1/3 per forward re-run, by the FLOPs share of the layers re-run.
+    Unpipelined: 1 (remat none) and 4/3 (full). Pipelined (tests/helpers SMALL, 5 layers of
+    which 4 MoE on 2 stages, 2 slots a stage): the per-iteration remat adds the MoE layers'
+    share s / 3 whatever the remat policy (the hop-1 test in test_two_level.py counts the
+    same re-runs in the compiled step); at one slot a stage (3 layers) XLA keeps one re-run."""
+    def factor(stages, *overrides):
+        cfg, _ = small_config("model.num_layers=5", *overrides)
+        return recompute_factor(cfg, stages)
+    assert factor(1, "model.remat_policy=none") == 1.0
+    assert factor(1, "model.remat_policy=full") == pytest.approx(4 / 3)
+    cfg, _ = small_config("model.num_layers=5")
+    moe = 4 * (6 * block_active_params(cfg, True) + attention_flops_per_token(cfg) / 5)
+    share = moe / flops_per_token(cfg)
+    assert 0.5 < share < 1
+    assert factor(2, "model.remat_policy=none") == pytest.approx(1 + share / 3)
+    assert factor(2, "model.remat_policy=full") == pytest.approx(1 + (1 + share) / 3)
+    assert factor(2, "model.remat_policy=full", "model.num_layers=3") == pytest.approx(4 / 3)

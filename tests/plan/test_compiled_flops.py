@@ -40,15 +40,15 @@ def test_a_dense_ragged_dot_is_flagged_and_one_gemm_is_not():
 
     hlo, compiled = _compiled(ragged, (rows, D), (groups, D, D))
     model = 2 * rows * D * D  # what the grouped GEMM needs: each row through one group
-    check = flops_check(hlo, compiled, model, "none")
+    check = flops_check(hlo, compiled, model, 1.0)
     assert check["flag"] is True and check["verdict"] == "flagged"
     assert check["ratio"] == pytest.approx(groups)
     assert "FLAGGED" in check_line(check)
     hlo, compiled = _compiled(lambda x, w: x @ w, (rows, D), (D, D))
-    check = flops_check(hlo, compiled, model, "none")
+    check = flops_check(hlo, compiled, model, 1.0)
     assert (check["flag"], check["verdict"], check["ratio"]) == (False, "within", 1.0)
-    assert flops_check(hlo, compiled, model / 1.3, "full")["flag"] is False  # remat allowance
-    assert flops_check(hlo, compiled, model / 1.3, "none")["flag"] is True
+    assert flops_check(hlo, compiled, model / 1.3, 4 / 3)["flag"] is False  # remat allowance
+    assert flops_check(hlo, compiled, model / 1.3, 1.0)["flag"] is True
 
 
 def test_custom_calls_are_named_and_make_it_a_lower_bound():
@@ -56,7 +56,7 @@ def test_custom_calls_are_named_and_make_it_a_lower_bound():
         return jax.lax.top_k(x @ w, 4)[0]
 
     hlo, compiled = _compiled(top, (B, D), (D, D))
-    check = flops_check(hlo, compiled, ONE_LAYER, "none")
+    check = flops_check(hlo, compiled, ONE_LAYER, 1.0)
     assert check["uncounted_custom_calls"] == {"TopK": 1}
     assert check["verdict"] == "within (a lower bound)" and check["flag"] is False
     assert '"TopK": 1' in check_line(check)
@@ -70,7 +70,7 @@ def test_data_dependent_loops_are_not_judged():
     args = (jax.ShapeDtypeStruct((B, D), jnp.float32), jax.ShapeDtypeStruct((D, D), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32))
     compiled = jax.jit(loop).lower(*args).compile()
-    check = flops_check(compiled.as_text(), compiled, ONE_LAYER, "none")
+    check = flops_check(compiled.as_text(), compiled, ONE_LAYER, 1.0)
     assert check["loops_counted_once"] == 1 and check["compiled_flops_per_device"] == ONE_LAYER
     assert check["flag"] is None and check["verdict"] == "not judged"
     assert "not judged: 1 loops" in check_line(check)

@@ -6,6 +6,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from maxmoe.config import ConfigError
+from maxmoe.metrics.flops import recompute_factor
 from maxmoe.plan.compiled_flops import flops_check
 from maxmoe.plan.gpu_aot import gpu_devices, gpu_memory_analysis, target_config
 from maxmoe.plan.probe import compile_step, run_probe
@@ -98,6 +99,6 @@ def test_compiled_flops_flag_a_dense_ragged_dot():
              "moe.grouped_matmul=ragged_dot"]
     setup, compiled, _ = compile_step(items, 8, 1, "gpu", "h100")
     check = flops_check(compiled.as_text(), compiled, setup.model_flops / 8,
-                        setup.cfg.model.remat_policy)
+                        recompute_factor(setup.cfg, 1))
     assert check["flag"] is True and check["ratio"] > 2, check
     assert check["loops_counted_once"] == 0

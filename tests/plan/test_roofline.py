@@ -263,7 +263,7 @@ def test_two_level_routed_bytes_by_hand():
     """The 671B layout under moe.transport=two_level (configs/experiments/deepseek_v3_2048xh800_flat
     .yaml: 8192 tokens a device, top-8 of 256 experts in 4 of 8 groups, expert 64 over 8 hosts,
     bf16, remat full): hop 1 sends each token to the hosts_reached(256, 8, 8, 4, 8) hosts its
-    experts lie on, less its own (7/8 of them), 5 times (TWO_LEVEL_HOP1_EXCHANGES) across hosts;
+    experts lie on, less its own (7/8 of them), 5 times (prerank.hop1_exchanges) across hosts;
     hop 2 is all_to_all's 6 exchanges of T K rows over the host's 8 shards, 7/8 of them to
     another device inside it. With precision.fp8, 2 of hop 1's 5 and of hop 2's 6 travel at
     1 + 4/128 bytes an element."""
