@@ -35,7 +35,8 @@ class ModelConfig:
     # unrolled (faster for a few layers; changes the checkpoint layout)
     scan_layers: bool = True
     # none | full | dots (save matmul outputs) | save_named (save the qkv projections, attention
-    # output, MoE dispatch/combine) | offload_named (those, offloaded to pinned host memory)
+    # output, MoE dispatch/combine) | offload_named (those, offloaded to pinned host memory) |
+    # save_received (full, but keep what two_level's hop 1 received across hosts)
     remat_policy: str = "full"
     moe_layer_step: int = 1  # layer i is MoE only if (i + 1) % step == 0 (Qwen3 decoder_sparse_step)
     dense_layer_indices: list[int] = field(default_factory=list)  # also dense (Qwen3 mlp_only_layers)
@@ -114,7 +115,7 @@ class MoEConfig:
 
 
 MESH_AXES = ("data", "fsdp", "pipeline", "expert", "tensor")
-REMAT_POLICY_NAMES = ("none", "full", "dots", "save_named", "offload_named")
+REMAT_POLICY_NAMES = ("none", "full", "dots", "save_named", "offload_named", "save_received")
 
 # logical axis -> mesh axes. Params: embed, mlp, heads, kv_heads, vocab, experts, expert_mlp,
 # layers. Activations: batch, seq, act_embed, act_heads, act_mlp, act_vocab.

@@ -280,10 +280,14 @@ def test_deepseek_v3_features_match_single_device(name, references):
     check(MLA + MLA_LAYOUTS[name], references("mla"))
 
 
-def test_two_level_under_the_pipeline_matches_single_device(references):
+@pytest.mark.parametrize("remat", ["full", "save_received"])
+def test_two_level_under_the_pipeline_matches_single_device(remat, references):
     """moe.transport=two_level inside the pipeline's stages, with the MLA model's group-limited
-    routing and every router loss on."""
-    cfg, origins = check(PIPELINE + MLA + PIPELINE_TWO_LEVEL, references("mla_pipeline"))
+    routing and every router loss on; save_received keeps hop 1's received rows for the
+    backward instead of sending them again (the reference: one device, remat full)."""
+    cfg, origins = check(PIPELINE + MLA + PIPELINE_TWO_LEVEL + [f"model.remat_policy={remat}"],
+                         references("mla_pipeline"))
+    assert cfg.model.remat_policy == remat
     assert_pipelined(cfg, origins)
 
 

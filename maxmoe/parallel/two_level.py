@@ -43,6 +43,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxmoe.config import MoEConfig
 from maxmoe.kernels.grouped_matmul import resolve_kernel
@@ -103,6 +104,9 @@ class TwoLevel(Dispatcher):
             rows = dispatch_slots(across, rows, counts, recv_counts)
             w = exchange_slots(across, w, counts, recv_counts)  # [H, T, K]
             ids = move_slots(across, ids, counts, recv_counts, across.num_local)
+            # what crossed hosts, kept by model.remat_policy=save_received (model/block.py)
+            rows, w, ids, recv_counts = (checkpoint_name(a, "moe_received")
+                                         for a in (rows, w, ids, recv_counts))
             flat = ids.reshape(-1)  # expert within this host; num_local of across: empty
             dev = flat // inside.num_local  # L (empty): never sent
             routing, needed, dropped = plan_rounds(inside, dev, flat - dev * inside.num_local)

@@ -22,7 +22,7 @@ from maxmoe.metrics.flops import flops_by_kernel, flops_per_token, recompute_fac
 from maxmoe.model.spec import layer_groups, pipeline_idle
 from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
-from maxmoe.parallel.schedule import pipeline_schedule
+from maxmoe.parallel.schedule import PipelineSchedule, pipeline_schedule
 from maxmoe.plan.roofline import (
     DEFAULT_LOAD_IMBALANCE,
     hosts_reached,
@@ -61,6 +61,7 @@ class Layout:
 # gradients, as multiples of one layer's residual stream [tokens per device, D] in the compute
 # dtype. The factors are fitted to compiles (tests/plan/test_search.py states the error).
 SAVED_PER_LAYER = {"full": 1.0, "save_named": 4.0, "dots": 10.0, "offload_named": 1.0,
+                   "save_received": 5.0,  # + hop 1's [H, T, D] rows, H <= groups_per_token
                    "none": 14.0}
 LOGITS_COPIES = 7  # [tokens, vocab / tensor] float32: logits, softmax, their gradients
 # [vocab, D / tensor] float32 tables: the embedding's and LM head's float32 compute copies,
@@ -139,12 +140,23 @@ FP8_WIRE_BYTES = 1 + 4 / 128
 # two_level's hop 1 exchanges of the token rows per MoE layer: dispatch and combine forward and
 # their two gradients, and the dispatch again each time the backward re-runs the layer's
 # forward (the combine's re-run is dead code), but for the per-iteration remat of a pipeline
-# with more than one slot a stage, whose combine feeds the next slot. Compiled
+# with more than one slot a stage, whose combine feeds the next slot; model.remat_policy
+# save_received keeps hop 1's received rows, so the block's own re-run sends nothing. Compiled
 # (tests/parallel/test_two_level.py), hop 1's cross-host bytes are exactly 4 (remat none) and
 # 5 (full) buffers of token rows per layer unpipelined, 6 and 7 pipelined at 2 slots a stage,
-# 5 at one, plus the small router-weight and expert-id exchanges (docs/performance/planning.md,
+# 5 at one (save_received: 4 unpipelined, 6 at 2 slots), plus the small router-weight and expert-id exchanges (docs/performance/planning.md,
 # "two_level priced at routed bytes")
 HOP1_FORWARD_AND_GRADIENTS = 4
+
+
+def hop1_reruns(remat: str, schedule: PipelineSchedule, layers: int) -> tuple[int, int]:
+    """(times the backward sends a MoE layer's hop-1 dispatch again, its combine again) for a
+    layer group of `layers` layers, pipelined where `schedule` pipelines it."""
+    resend = int(remat not in ("none", "save_received"))  # the block's own re-run sends
+    if not schedule.pipelines(layers):
+        return resend, 0
+    two = int(schedule.slots(layers) > 1)  # the per-iteration re-run stays, combine and all
+    return 1 + resend * two, two
 
 
 def hop1_exchanges(dispatch_reruns: int, combine_reruns: int) -> tuple[int, int]:
@@ -176,11 +188,10 @@ def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int
     schedule = pipeline_schedule(m, stages)
     # MoE layers one device runs per step at a stage's tokens, by their forward re-runs
     # (dispatch, combine): the pipelined group, the rest (MTP depths included)
-    remat = int(m.remat_policy != "none")
-    runs: dict[tuple[int, int], float] = {(remat, 0): m.mtp_depth if groups[-1][0] else 0}
+    runs = {hop1_reruns(m.remat_policy, pipeline_schedule(m, 1), 1):
+            m.mtp_depth if groups[-1][0] else 0}
     for n in (n for is_moe, _, n in groups if is_moe):
-        key = ((schedule.forward_reruns(n, m.remat_policy), int(schedule.slots(n) > 1))
-               if schedule.pipelines(n) else (remat, 0))
+        key = hop1_reruns(m.remat_policy, schedule, n)
         runs[key] = runs.get(key, 0) + n / stages
     tokens = cfg.data.global_batch_size * cfg.data.seq_len / stage_batch_shards(cfg, sizes)
     hosts = (e.expert_hosts or dcn["expert"]) if how == "two_level" else dcn["expert"]

@@ -28,7 +28,7 @@ from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.plan.collectives import collective_bytes
 from maxmoe.plan.gpu_aot import gpu_devices, unknown_trip_loops
-from maxmoe.plan.prerank import hop1_exchanges
+from maxmoe.plan.prerank import hop1_exchanges, hop1_reruns
 from maxmoe.plan.probe import abstract_batch
 from maxmoe.sharding import make_mesh, use_mesh
 from maxmoe.train.step import make_trainer
@@ -224,17 +224,20 @@ def test_two_level_under_the_pipeline_crosses_hosts_less_in_the_compiled_step():
     assert bound < 1  # the config is one where two_level must save (H < c K)
 
 
-def test_hop_one_sends_the_planners_count_of_row_buffers_across_hosts():
+@pytest.mark.parametrize("remat", ["full", "save_received"])
+def test_hop_one_sends_the_planners_count_of_row_buffers_across_hosts(remat):
     """prerank.hop1_exchanges, which prices two_level's routed bytes, is what the
     compiled step runs: unpipelined (data 2 x expert 4 over 2 hosts, float32, remat full), the
     cross-host expert all-to-all bytes per MoE layer are exactly that many hop-1 row buffers
     ((H - 1) x T rows of D) plus 5 buffers of the (H - 1) x T x K router weights (forward,
-    re-run, gradient) and expert ids (forward, re-run), 4 bytes each."""
+    re-run, gradient) and expert ids (forward, re-run), 4 bytes each; with save_received the
+    re-run sends none of them (4 row buffers, 3 small ones)."""
     cfg, origins = small_config("mesh.pipeline=1", "mesh.expert=4", "mesh.data=2",
                                 "mesh.dcn_expert=2", "moe.num_experts=16",
                                 "moe.experts_per_token=4", "moe.num_groups=4",
-                                "moe.groups_per_token=2", "moe.transport=two_level")
-    assert cfg.model.remat_policy == "full" and cfg.precision.compute_dtype == "float32"
+                                "moe.groups_per_token=2", "moe.transport=two_level",
+                                f"model.remat_policy={remat}")
+    assert cfg.precision.compute_dtype == "float32"
     trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins), dcn=dcn_sizes(cfg)))
     with use_mesh(trainer.mesh, trainer.rules):
         hlo = trainer.jitted_step.lower(trainer.abstract_state, abstract_batch(
@@ -245,18 +248,23 @@ def test_hop_one_sends_the_planners_count_of_row_buffers_across_hosts():
     tokens = cfg.data.global_batch_size * cfg.data.seq_len // 8  # the batch over data x expert
     rows = (hosts - 1) * tokens * m.hidden_size * 4
     small = (hosts - 1) * tokens * cfg.moe.experts_per_token * 4
-    want = layers * (hop1_exchanges(1, 0)[0] * rows + 5 * small)
+    exchanges, dispatches = hop1_exchanges(*hop1_reruns(remat, pipeline_schedule(m, 1), 1))
+    assert exchanges == {"full": 5, "save_received": 4}[remat]
+    want = layers * (exchanges * rows + (2 * dispatches + 1) * small)
     assert comm.by_axis["expert"]["all-to-all"]["dcn"] == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("remat,layers", [("full", 5), ("none", 5), ("full", 3), ("none", 3)])
-def test_pipelined_hop_one_sends_the_planners_count_of_row_buffers(remat, layers):
-    """prerank.hop1_exchanges under a pipeline (pipeline 2 x expert 4 over 2 hosts, gpipe, 2
-    microbatches: 3 iterations): its per-iteration remat re-runs each stage's pass, dispatch
-    and combine, before the layer's own remat re-runs the dispatch, so at 2 slots a stage
-    (4 MoE layers) the compiled cross-host bytes per iteration and slot are exactly 7 (remat
-    full) or 6 (none) hop-1 row buffers, plus 7 or 5 buffers of router weights and expert ids;
-    at one slot (2 MoE layers) XLA keeps one re-run of the dispatch alone: 5 and 5."""
+@pytest.mark.parametrize("remat,layers,want_exchanges", [
+    ("full", 5, 7), ("none", 5, 6), ("save_received", 5, 6), ("full", 3, 5), ("none", 3, 5)])
+def test_pipelined_hop_one_sends_the_planners_count_of_row_buffers(remat, layers,
+                                                                   want_exchanges):
+    """prerank.hop1_reruns / hop1_exchanges under a pipeline (pipeline 2 x expert 4 over 2
+    hosts, gpipe, 2 microbatches: 3 iterations): its per-iteration remat re-runs each stage's
+    pass, dispatch and combine, before the layer's own remat re-runs the dispatch, so at 2
+    slots a stage (4 MoE layers) the compiled cross-host bytes per iteration and slot are
+    exactly 7 (remat full) or 6 (none; save_received, whose block re-run reuses what hop 1
+    received) hop-1 row buffers, plus the router-weight and expert-id buffers; at one slot
+    (2 MoE layers) XLA keeps one re-run of the dispatch alone: 5."""
     cfg, origins = small_config("mesh.pipeline=2", "mesh.expert=4", "mesh.dcn_expert=2",
                                 "moe.num_experts=16", "moe.experts_per_token=4",
                                 "moe.num_groups=4", "moe.groups_per_token=2",
@@ -273,9 +281,8 @@ def test_pipelined_hop_one_sends_the_planners_count_of_row_buffers(remat, layers
     tokens = cfg.data.global_batch_size * cfg.data.seq_len // 4 // schedule.microbatches
     rows = (hosts - 1) * tokens * m.hidden_size * 4
     small = (hosts - 1) * tokens * cfg.moe.experts_per_token * 4
-    reruns = schedule.forward_reruns(moe_layers, remat)
-    exchanges, dispatches = hop1_exchanges(reruns, int(schedule.slots(moe_layers) > 1))
-    assert exchanges == {(5, "full"): 7, (5, "none"): 6}.get((layers, remat), 5)
+    exchanges, dispatches = hop1_exchanges(*hop1_reruns(remat, schedule, moe_layers))
+    assert exchanges == want_exchanges
     per_slot = exchanges * rows + (2 * dispatches + 1) * small  # weights: + the gradient
     want = schedule.iterations * schedule.slots(moe_layers) * per_slot
     assert comm.by_axis["expert"]["all-to-all"]["dcn"] == pytest.approx(want, rel=1e-6)
