@@ -103,17 +103,19 @@ FLOP_CONVENTION = "6 x active params + causal attention (half of S^2; MaxText/Me
 def recompute_factor(cfg: Config, stages: int) -> float:
     """FLOPs a step runs over its model FLOPs (FLOP_CONVENTION counts one forward, 2 of 6):
     1 + 1/3 for each forward run again, each layer weighted by its share of the FLOPs a token
-    costs. model.remat_policy other than none re-runs every block's forward once in the
-    backward (an upper bound for the policies that save some tensors); a layer a pipeline of
-    `stages` stages runs is re-run PipelineSchedule.forward_reruns times (its per-iteration
-    remat on top)."""
+    costs. model.remat_policy other than none re-runs a block's forward once in the backward
+    (an upper bound for the policies that save some tensors). A layer a pipeline of `stages`
+    stages runs is re-run once whatever the policy: the per-iteration remat
+    (parallel/pipeline.py) re-runs each stage's pass, and the block's own re-run is the same
+    computation, merged with it (the stage's slots unrolled, model/block.run_layers), or, for
+    the last slot, whose output the backward does not need, the only one."""
     m = cfg.model
     schedule = pipeline_schedule(m, stages)
+    remat = m.remat_policy != "none"
     layer = attention_flops_per_token(cfg) / (m.num_layers + m.mtp_depth)  # + 6 x params
-    extra = sum(n * (6 * block_active_params(cfg, is_moe) + layer)
-                * (schedule.forward_reruns(n, m.remat_policy) - (m.remat_policy != "none"))
+    piped = sum(n * (6 * block_active_params(cfg, is_moe) + layer)
                 for is_moe, _, n in layer_groups(m) if schedule.pipelines(n))
-    return 1 + ((m.remat_policy != "none") + extra / flops_per_token(cfg)) / 3
+    return 1 + (remat + (not remat) * piped / flops_per_token(cfg)) / 3
 
 
 def attention_flops_per_token(cfg: Config) -> float:

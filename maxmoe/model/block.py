@@ -101,9 +101,14 @@ def stacked_blocks(n: int, make, rngs: nnx.Rngs, per_layer: bool = False):
                      for i in range(n)])
 
 
-def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str, mask=None):
-    """Applies stacked layers (state leaves [L, ...]) in order with lax.scan. mask [L] bool
-    (the pipeline's padding slots, parallel/pipeline.py): a False layer passes x through."""
+def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str, mask=None,
+               unroll: bool = False):
+    """Applies stacked layers (state leaves [L, ...]) in order with lax.scan, or a Python loop
+    over them (`unroll`: a pipeline stage's few slots, so that the per-iteration remat's
+    re-run of the stage and the blocks' own re-runs are one computation, which XLA merges,
+    and the last slot's forward drops out of the former: metrics.flops.recompute_factor).
+    mask [L] bool (the pipeline's padding slots, parallel/pipeline.py): a False layer passes
+    x through."""
     def layer(h, layer_state):
         return nnx.merge(graphdef, layer_state)(h, segment_ids, positions)
 
@@ -116,7 +121,14 @@ def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str, mask=N
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, x, state if mask is None else (state, mask))
+    xs = state if mask is None else (state, mask)
+    if not unroll:
+        return jax.lax.scan(body, x, xs)
+    auxs = []
+    for k in range(jax.tree.leaves(state)[0].shape[0]):
+        x, aux = body(x, jax.tree.map(lambda a, k=k: a[k], xs))
+        auxs.append(aux)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *auxs)
 
 
 def run_blocks(blocks, x, segment_ids, positions, *, remat: str):
@@ -147,7 +159,7 @@ def run_stack(stack, x, segment_ids, positions, *, remat: str,
     the stage axes too (replicas.stack_replicas)."""
     if isinstance(stack, nnx.List):
         return run_blocks(list(stack), x, segment_ids, positions, remat=remat)
-    layers = functools.partial(run_layers, remat=remat)
+    layers = functools.partial(run_layers, remat=remat, unroll=pipeline is not None)
     graphdef, state = nnx.split(stack)
 
     def run(state, x, segment_ids, positions):

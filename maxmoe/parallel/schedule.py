@@ -79,15 +79,6 @@ class PipelineSchedule:
         1 - M L / ((V M + P-1) P slots) = 1 - (1 - bubble)(1 - padding)."""
         return 1 - (1 - self.bubble) * (1 - self.padding(layers))
 
-    def forward_reruns(self, layers: int, remat: str) -> int:
-        """Times the backward runs a layer of a pipelined group of `layers` forward again: the
-        per-iteration remat (parallel/pipeline.py) re-runs each stage's pass from its input,
-        then the block's own remat (model.remat_policy other than none) runs it once more.
-        With one slot a stage only one re-run stays: the first one's output is the stage's,
-        which the backward does not need, so XLA drops it where the block's remat runs the
-        layer again (compiled: tests/parallel/test_two_level.py)."""
-        return max(1, (remat != "none") + (self.slots(layers) > 1))
-
 
 def pipeline_schedule(model: ModelConfig, stages: int) -> PipelineSchedule:
     """The schedule of `stages` pipeline stages (1: none) as the model config sets it."""

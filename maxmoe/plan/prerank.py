@@ -138,28 +138,28 @@ FP8_WIRE_BYTES = 1 + 4 / 128
 
 
 # two_level's hop 1 exchanges of the token rows per MoE layer: dispatch and combine forward and
-# their two gradients, and the dispatch again each time the backward re-runs the layer's
-# forward (the combine's re-run is dead code), but for the per-iteration remat of a pipeline
-# with more than one slot a stage, whose combine feeds the next slot; model.remat_policy
-# save_received keeps hop 1's received rows, so the block's own re-run sends nothing. Compiled
-# (tests/parallel/test_two_level.py), hop 1's cross-host bytes are exactly 4 (remat none) and
-# 5 (full) buffers of token rows per layer unpipelined, 6 and 7 pipelined at 2 slots a stage,
-# 5 at one (save_received: 4 unpipelined, 6 at 2 slots), plus the small router-weight and expert-id exchanges (docs/performance/planning.md,
-# "two_level priced at routed bytes")
+# their two gradients, and the dispatch again where the backward re-runs the layer's forward
+# (the combine's re-run is dead code; model.remat_policy save_received keeps what hop 1
+# received, so its re-run sends nothing). A pipelined layer is re-run once (its stage's pass,
+# by the per-iteration remat: metrics.flops.recompute_factor), combine too but in the stage's
+# last slot, whose output the backward does not need. Compiled (tests/parallel/test_two_level.py),
+# hop 1's cross-host bytes are exactly 4 (remat none, save_received) and 5 (full) buffers of
+# token rows per layer unpipelined, 11 per 2 slots a stage pipelined, 5 at one slot, plus the
+# small router-weight and expert-id exchanges (docs/performance/planning.md, "two_level priced
+# at routed bytes")
 HOP1_FORWARD_AND_GRADIENTS = 4
 
 
-def hop1_reruns(remat: str, schedule: PipelineSchedule, layers: int) -> tuple[int, int]:
-    """(times the backward sends a MoE layer's hop-1 dispatch again, its combine again) for a
-    layer group of `layers` layers, pipelined where `schedule` pipelines it."""
-    resend = int(remat not in ("none", "save_received"))  # the block's own re-run sends
-    if not schedule.pipelines(layers):
-        return resend, 0
-    two = int(schedule.slots(layers) > 1)  # the per-iteration re-run stays, combine and all
-    return 1 + resend * two, two
+def hop1_reruns(remat: str, schedule: PipelineSchedule, layers: int) -> tuple[float, float]:
+    """(times the backward sends a MoE layer's hop-1 dispatch again, its combine again), per
+    layer of a group of `layers` layers, pipelined where `schedule` pipelines it."""
+    if schedule.pipelines(layers):
+        slots = schedule.slots(layers)
+        return 1.0, (slots - 1) / slots
+    return float(remat not in ("none", "save_received")), 0.0
 
 
-def hop1_exchanges(dispatch_reruns: int, combine_reruns: int) -> tuple[int, int]:
+def hop1_exchanges(dispatch_reruns: float, combine_reruns: float) -> tuple[float, float]:
     """(hop-1 row exchanges per MoE layer, how many of them are dispatches: FP8 on the wire
     under precision.fp8; the combines and gradients travel in the compute dtype)."""
     return HOP1_FORWARD_AND_GRADIENTS + dispatch_reruns + combine_reruns, 1 + dispatch_reruns
@@ -171,9 +171,9 @@ def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int
     balanced routing (`sizes` the layout, `dcn` its DCN factors); None for the transports whose
     compiled bytes are what they send (all_gather, capacity) or an expert axis of 1. The tokens
     are a device's stage batch shard; the MTP depths count as stack layers (exact without a
-    pipeline). The backward's re-runs of a layer's forward (model.remat_policy, a pipeline's
-    per-iteration remat: PipelineSchedule.forward_reruns) send its dispatch again, and at more
-    than one pipeline slot a stage its combine too (`hop1_exchanges`; all_to_all: both).
+    pipeline). The backward's re-run of a layer's forward (model.remat_policy, a pipeline's
+    per-iteration remat) sends its dispatch again, and in a pipeline stage's slots but the
+    last its combine too (`hop1_reruns`; all_to_all: both).
     - all_to_all: roofline.routed_all_to_all_bytes, ALL_TO_ALL_EXCHANGES exchanges.
     - two_level: hop 1 sends each token once to each other host its experts lie on
       (roofline.hosts_reached), `hop1_exchanges` times, all across hosts; hop 2 is

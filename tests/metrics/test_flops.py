@@ -62,9 +62,10 @@ def test_attention_is_counted_causally(preset):
 def test_recompute_factor_counts_each_forward_run_again():
     """recompute_factor: 1 + 1/3 per forward re-run, by the FLOPs share of the layers re-run.
     Unpipelined: 1 (remat none) and 4/3 (full). Pipelined (tests/helpers SMALL, 5 layers of
-    which 4 MoE on 2 stages, 2 slots a stage): the per-iteration remat adds the MoE layers'
-    share s / 3 whatever the remat policy (the hop-1 test in test_two_level.py counts the
-    same re-runs in the compiled step); at one slot a stage (3 layers) XLA keeps one re-run."""
+    which 4 MoE on 2 stages): the per-iteration remat re-runs the MoE layers once whatever the
+    policy, so remat none costs their share s / 3 and full stays 4/3 (the block's re-run is
+    merged with the stage's: in the compile below, full and none run the same dot FLOPs to
+    0.3%, and the scanned slots of before ran 11% more)."""
     def factor(stages, *overrides):
         cfg, _ = small_config("model.num_layers=5", *overrides)
         return recompute_factor(cfg, stages)
@@ -75,5 +76,4 @@ def test_recompute_factor_counts_each_forward_run_again():
     share = moe / flops_per_token(cfg)
     assert 0.5 < share < 1
     assert factor(2, "model.remat_policy=none") == pytest.approx(1 + share / 3)
-    assert factor(2, "model.remat_policy=full") == pytest.approx(1 + (1 + share) / 3)
-    assert factor(2, "model.remat_policy=full", "model.num_layers=3") == pytest.approx(4 / 3)
+    assert factor(2, "model.remat_policy=full") == pytest.approx(4 / 3)

@@ -27,6 +27,7 @@ from maxmoe.parallel.dispatch import ExpertShards, describe_transport, resolve_t
 from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.parallel.two_level import TwoLevel
 from maxmoe.plan.collectives import collective_bytes
+from maxmoe.plan.compiled_flops import matmul_flops
 from maxmoe.plan.gpu_aot import gpu_devices, unknown_trip_loops
 from maxmoe.plan.prerank import hop1_exchanges, hop1_reruns
 from maxmoe.plan.probe import abstract_batch
@@ -254,17 +255,16 @@ def test_hop_one_sends_the_planners_count_of_row_buffers_across_hosts(remat):
     assert comm.by_axis["expert"]["all-to-all"]["dcn"] == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("remat,layers,want_exchanges", [
-    ("full", 5, 7), ("none", 5, 6), ("save_received", 5, 6), ("full", 3, 5), ("none", 3, 5)])
-def test_pipelined_hop_one_sends_the_planners_count_of_row_buffers(remat, layers,
-                                                                   want_exchanges):
+@pytest.mark.parametrize("remat,layers,want_rows", [
+    ("full", 5, 11), ("none", 5, 11), ("save_received", 5, 11), ("full", 3, 5), ("none", 3, 5)])
+def test_pipelined_hop_one_sends_the_planners_count_of_row_buffers(remat, layers, want_rows):
     """prerank.hop1_reruns / hop1_exchanges under a pipeline (pipeline 2 x expert 4 over 2
-    hosts, gpipe, 2 microbatches: 3 iterations): its per-iteration remat re-runs each stage's
-    pass, dispatch and combine, before the layer's own remat re-runs the dispatch, so at 2
-    slots a stage (4 MoE layers) the compiled cross-host bytes per iteration and slot are
-    exactly 7 (remat full) or 6 (none; save_received, whose block re-run reuses what hop 1
-    received) hop-1 row buffers, plus the router-weight and expert-id buffers; at one slot
-    (2 MoE layers) XLA keeps one re-run of the dispatch alone: 5."""
+    hosts, gpipe, 2 microbatches: 3 iterations): the per-iteration remat re-runs each stage's
+    pass once whatever the remat policy (the block's own re-run of its first slot is the same
+    computation, merged; of its last slot the only one), dispatch and combine, but for the last
+    slot's combine. So per iteration the compiled cross-host bytes are exactly 11 hop-1 row
+    buffers at 2 slots a stage (4 MoE layers: 2 x 5 + 1) and 5 at one slot (2 MoE layers),
+    plus the router-weight and expert-id buffers (less than one row buffer's bytes here)."""
     cfg, origins = small_config("mesh.pipeline=2", "mesh.expert=4", "mesh.dcn_expert=2",
                                 "moe.num_experts=16", "moe.experts_per_token=4",
                                 "moe.num_groups=4", "moe.groups_per_token=2",
@@ -281,8 +281,29 @@ def test_pipelined_hop_one_sends_the_planners_count_of_row_buffers(remat, layers
     tokens = cfg.data.global_batch_size * cfg.data.seq_len // 4 // schedule.microbatches
     rows = (hosts - 1) * tokens * m.hidden_size * 4
     small = (hosts - 1) * tokens * cfg.moe.experts_per_token * 4
-    exchanges, dispatches = hop1_exchanges(*hop1_reruns(remat, schedule, moe_layers))
-    assert exchanges == want_exchanges
-    per_slot = exchanges * rows + (2 * dispatches + 1) * small  # weights: + the gradient
-    want = schedule.iterations * schedule.slots(moe_layers) * per_slot
-    assert comm.by_axis["expert"]["all-to-all"]["dcn"] == pytest.approx(want, rel=1e-6)
+    slots = schedule.slots(moe_layers)
+    exchanges, _ = hop1_exchanges(*hop1_reruns(remat, schedule, moe_layers))
+    assert slots * exchanges == pytest.approx(want_rows)
+    per_iteration = comm.by_axis["expert"]["all-to-all"]["dcn"] / schedule.iterations
+    assert per_iteration // rows == want_rows
+    assert (per_iteration % rows) % small == 0 and per_iteration % rows < rows
+
+
+def test_pipelined_block_remat_adds_no_forward_to_the_stage_re_run():
+    """metrics.flops.recompute_factor's pipelined rule, compiled: with the stage's slots
+    unrolled (model/block.run_layers), remat full runs each MoE layer's router (its TopK) as
+    many times as remat none, and the same dot FLOPs within 1% (the block's re-run merges with
+    the per-iteration one). Scanned slots ran 36 TopKs against 24, 11% more FLOPs."""
+    def compiled(remat):
+        cfg, origins = small_config("mesh.pipeline=2", "mesh.expert=4", "mesh.dcn_expert=2",
+                                    "moe.num_experts=16", "moe.experts_per_token=4",
+                                    "moe.num_groups=4", "moe.groups_per_token=2",
+                                    "moe.transport=two_level", f"model.remat_policy={remat}",
+                                    "model.num_layers=5", "moe.grouped_matmul=ragged_dot")
+        trainer = make_trainer(cfg, make_mesh(validate(cfg, 8, origins), dcn=dcn_sizes(cfg)))
+        with use_mesh(trainer.mesh, trainer.rules):
+            return matmul_flops(trainer.jitted_step.lower(trainer.abstract_state, abstract_batch(
+                cfg, trainer.batch_sharding)).compile().as_text())
+    full, none = compiled("full"), compiled("none")
+    assert full.uncounted["TopK"] == none.uncounted["TopK"] > 0
+    assert full.flops == pytest.approx(none.flops, rel=0.01)
