@@ -38,9 +38,9 @@ REMAT_POLICIES = {  # model.remat_policy -> jax.checkpoint policy ("none" = no j
         names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED_NAMES),
         offload_src="device", offload_dst="pinned_host"),
     # as full, but keep what two_level's hop 1 received across hosts (rows, router weights,
-    # expert ids), so the backward's re-run of the block does not send it again. Inside a
-    # pipeline's per-iteration remat that is one iteration's slots (a transient); elsewhere
-    # every MoE layer's [H, T, D] rows stay live to the backward
+    # expert ids), so the backward's re-run of the block does not send it again: every MoE
+    # layer's [H, T, D] rows stay live to the backward. Pipelined layers gain nothing: their
+    # one re-run is the stage's (metrics.flops.recompute_factor), which sends hop 1 anyway
     "save_received": jax.checkpoint_policies.save_only_these_names("moe_received"),
 }
 
