@@ -105,17 +105,31 @@ def recompute_factor(cfg: Config, stages: int) -> float:
     1 + 1/3 for each forward run again, each layer weighted by its share of the FLOPs a token
     costs. model.remat_policy other than none re-runs a block's forward once in the backward
     (an upper bound for the policies that save some tensors). A layer a pipeline of `stages`
-    stages runs is re-run once whatever the policy: the per-iteration remat
-    (parallel/pipeline.py) re-runs each stage's pass, and the block's own re-run is the same
-    computation, merged with it (the stage's slots unrolled, model/block.run_layers), or, for
-    the last slot, whose output the backward does not need, the only one."""
+    stages runs is `pipelined_reruns` times."""
     m = cfg.model
     schedule = pipeline_schedule(m, stages)
-    remat = m.remat_policy != "none"
+    remat = float(m.remat_policy != "none")
     layer = attention_flops_per_token(cfg) / (m.num_layers + m.mtp_depth)  # + 6 x params
-    piped = sum(n * (6 * block_active_params(cfg, is_moe) + layer)
+    extra = sum(n * (6 * block_active_params(cfg, is_moe) + layer)
+                * (pipelined_reruns(m.remat_policy, schedule.slots(n)) - remat)
                 for is_moe, _, n in layer_groups(m) if schedule.pipelines(n))
-    return 1 + (remat + (not remat) * piped / flops_per_token(cfg)) / 3
+    return 1 + (remat + extra / flops_per_token(cfg)) / 3
+
+
+def pipelined_reruns(remat: str, slots: int) -> float:
+    """Forwards the backward runs again per layer of a pipeline stage of `slots` slots, as
+    XLA:GPU compiles it. The per-iteration remat (parallel/pipeline.py) re-runs the stage's
+    pass from its input, but for the last slot's forward (its output is the stage's, which the
+    backward does not need; the slots are unrolled, model/block.run_layers); then each
+    block's own remat re-runs the block (XLA:CPU merges that with the stage's re-run of the
+    same slot; XLA:GPU does not). Without block remat the stage's re-run is the only one and
+    keeps every slot; save_received is counted at 2 (an upper bound: its block re-run keeps
+    the last slot's stage re-run up to the hop-1 dispatch)."""
+    if remat == "none":
+        return 1.0
+    if remat == "save_received":
+        return 2.0
+    return 1.0 + (slots - 1) / slots
 
 
 def attention_flops_per_token(cfg: Config) -> float:

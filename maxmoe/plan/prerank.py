@@ -138,25 +138,31 @@ FP8_WIRE_BYTES = 1 + 4 / 128
 
 
 # two_level's hop 1 exchanges of the token rows per MoE layer: dispatch and combine forward and
-# their two gradients, and the dispatch again where the backward re-runs the layer's forward
-# (the combine's re-run is dead code; model.remat_policy save_received keeps what hop 1
-# received, so its re-run sends nothing). A pipelined layer is re-run once (its stage's pass,
-# by the per-iteration remat: metrics.flops.recompute_factor), combine too but in the stage's
-# last slot, whose output the backward does not need. Compiled (tests/parallel/test_two_level.py),
-# hop 1's cross-host bytes are exactly 4 (remat none, save_received) and 5 (full) buffers of
-# token rows per layer unpipelined, 11 per 2 slots a stage pipelined, 5 at one slot, plus the
-# small router-weight and expert-id exchanges (docs/performance/planning.md, "two_level priced
-# at routed bytes")
+# their two gradients, and the dispatch again each time the backward re-runs the layer's
+# forward (the combine's re-run is dead code), but model.remat_policy save_received, which
+# keeps what hop 1 received. A pipelined layer is re-run by its stage's re-run too (but the
+# last slot) and that re-run's combine feeds the next slot (metrics.flops.pipelined_reruns).
+# Compiled by XLA:GPU (tests/plan/test_gpu_pipeline_reruns.py) and XLA:CPU
+# (tests/parallel/test_two_level.py), hop 1's cross-host bytes are exactly that many buffers of
+# token rows, plus the small router-weight and expert-id exchanges
+# (docs/performance/planning.md, "two_level priced at routed bytes")
 HOP1_FORWARD_AND_GRADIENTS = 4
 
 
 def hop1_reruns(remat: str, schedule: PipelineSchedule, layers: int) -> tuple[float, float]:
     """(times the backward sends a MoE layer's hop-1 dispatch again, its combine again), per
-    layer of a group of `layers` layers, pipelined where `schedule` pipelines it."""
-    if schedule.pipelines(layers):
-        slots = schedule.slots(layers)
-        return 1.0, (slots - 1) / slots
-    return float(remat not in ("none", "save_received")), 0.0
+    layer of a group of `layers` layers, pipelined where `schedule` pipelines it, as XLA:GPU
+    compiles it: unpipelined 1 and 0 under a remat policy (0 and 0 under none or
+    save_received); pipelined at S slots a stage, the stage's re-run adds (S - 1) / S of each
+    (the last slot's output is not needed), and the block's own re-run 1 dispatch but under
+    none or save_received, where the last slot's stage re-run sends it instead (its received
+    rows are needed): 1 + (S - 1) / S and (S - 1) / S under full, 1 and (S - 1) / S else."""
+    resend = float(remat not in ("none", "save_received"))
+    if not schedule.pipelines(layers):
+        return resend, 0.0
+    slots = schedule.slots(layers)
+    stage = (slots - 1) / slots
+    return (stage + 1.0 if resend else 1.0), stage
 
 
 def hop1_exchanges(dispatch_reruns: float, combine_reruns: float) -> tuple[float, float]:

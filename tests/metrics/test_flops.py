@@ -9,6 +9,7 @@ from maxmoe.metrics.flops import (
     attention_flops_per_token,
     block_active_params,
     flops_per_token,
+    pipelined_reruns,
     recompute_factor,
 )
 from tests.helpers import small_config
@@ -62,10 +63,10 @@ def test_attention_is_counted_causally(preset):
 def test_recompute_factor_counts_each_forward_run_again():
     """recompute_factor: 1 + 1/3 per forward re-run, by the FLOPs share of the layers re-run.
     Unpipelined: 1 (remat none) and 4/3 (full). Pipelined (tests/helpers SMALL, 5 layers of
-    which 4 MoE on 2 stages): the per-iteration remat re-runs the MoE layers once whatever the
-    policy, so remat none costs their share s / 3 and full stays 4/3 (the block's re-run is
-    merged with the stage's: in the compile below, full and none run the same dot FLOPs to
-    0.3%, and the scanned slots of before ran 11% more)."""
+    which 4 MoE on 2 stages: 2 slots a stage; 3 layers: 1 slot): pipelined_reruns per MoE
+    layer, their share s of the FLOPs: none 1 + s/3; full at 2 slots 1 + (1 + s/2)/3 (the
+    stage's re-run of the first slot on top of the blocks'), at one slot 4/3. The re-runs
+    themselves are compiled in tests/plan/test_gpu_pipeline_reruns.py."""
     def factor(stages, *overrides):
         cfg, _ = small_config("model.num_layers=5", *overrides)
         return recompute_factor(cfg, stages)
@@ -75,5 +76,7 @@ def test_recompute_factor_counts_each_forward_run_again():
     moe = 4 * (6 * block_active_params(cfg, True) + attention_flops_per_token(cfg) / 5)
     share = moe / flops_per_token(cfg)
     assert 0.5 < share < 1
+    assert pipelined_reruns("full", 2) == 1.5 and pipelined_reruns("none", 2) == 1.0
     assert factor(2, "model.remat_policy=none") == pytest.approx(1 + share / 3)
-    assert factor(2, "model.remat_policy=full") == pytest.approx(4 / 3)
+    assert factor(2, "model.remat_policy=full") == pytest.approx(1 + (1 + share / 2) / 3)
+    assert factor(2, "model.remat_policy=full", "model.num_layers=3") == pytest.approx(4 / 3)

@@ -255,16 +255,18 @@ def test_hop_one_sends_the_planners_count_of_row_buffers_across_hosts(remat):
     assert comm.by_axis["expert"]["all-to-all"]["dcn"] == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("remat,layers,want_rows", [
-    ("full", 5, 11), ("none", 5, 11), ("save_received", 5, 11), ("full", 3, 5), ("none", 3, 5)])
-def test_pipelined_hop_one_sends_the_planners_count_of_row_buffers(remat, layers, want_rows):
-    """prerank.hop1_reruns / hop1_exchanges under a pipeline (pipeline 2 x expert 4 over 2
-    hosts, gpipe, 2 microbatches: 3 iterations): the per-iteration remat re-runs each stage's
-    pass once whatever the remat policy (the block's own re-run of its first slot is the same
-    computation, merged; of its last slot the only one), dispatch and combine, but for the last
-    slot's combine. So per iteration the compiled cross-host bytes are exactly 11 hop-1 row
-    buffers at 2 slots a stage (4 MoE layers: 2 x 5 + 1) and 5 at one slot (2 MoE layers),
-    plus the router-weight and expert-id buffers (less than one row buffer's bytes here)."""
+@pytest.mark.parametrize("remat,layers,cpu_rows,priced_rows", [
+    ("full", 5, 11, 12), ("none", 5, 11, 11), ("save_received", 5, 11, 11), ("full", 3, 5, 5),
+    ("none", 3, 5, 5)])
+def test_pipelined_hop_one_row_buffers_on_xla_cpu(remat, layers, cpu_rows, priced_rows):
+    """prerank.hop1_reruns under a pipeline (pipeline 2 x expert 4 over 2 hosts, gpipe, 2
+    microbatches: 3 iterations), compiled by XLA:CPU: the per-iteration remat re-runs each
+    stage's pass but the last slot's forward (the slots unrolled), dispatch and combine, and
+    XLA:CPU merges the block's own re-run of a slot with it, so at 2 slots a stage (4 MoE
+    layers) every policy sends 11 hop-1 row buffers per iteration (2 x 5 + 1), and 5 at one
+    slot (2 MoE layers), plus the router-weight and expert-id buffers (less than one row
+    buffer's bytes here). The plan prices what XLA:GPU compiles, which does not merge the
+    block's re-run: 12 under remat full (tests/plan/test_gpu_pipeline_reruns.py)."""
     cfg, origins = small_config("mesh.pipeline=2", "mesh.expert=4", "mesh.dcn_expert=2",
                                 "moe.num_experts=16", "moe.experts_per_token=4",
                                 "moe.num_groups=4", "moe.groups_per_token=2",
@@ -281,19 +283,19 @@ def test_pipelined_hop_one_sends_the_planners_count_of_row_buffers(remat, layers
     tokens = cfg.data.global_batch_size * cfg.data.seq_len // 4 // schedule.microbatches
     rows = (hosts - 1) * tokens * m.hidden_size * 4
     small = (hosts - 1) * tokens * cfg.moe.experts_per_token * 4
-    slots = schedule.slots(moe_layers)
     exchanges, _ = hop1_exchanges(*hop1_reruns(remat, schedule, moe_layers))
-    assert slots * exchanges == pytest.approx(want_rows)
+    assert schedule.slots(moe_layers) * exchanges == pytest.approx(priced_rows)
     per_iteration = comm.by_axis["expert"]["all-to-all"]["dcn"] / schedule.iterations
-    assert per_iteration // rows == want_rows
+    assert per_iteration // rows == cpu_rows
     assert (per_iteration % rows) % small == 0 and per_iteration % rows < rows
 
 
 def test_pipelined_block_remat_adds_no_forward_to_the_stage_re_run():
-    """metrics.flops.recompute_factor's pipelined rule, compiled: with the stage's slots
-    unrolled (model/block.run_layers), remat full runs each MoE layer's router (its TopK) as
-    many times as remat none, and the same dot FLOPs within 1% (the block's re-run merges with
-    the per-iteration one). Scanned slots ran 36 TopKs against 24, 11% more FLOPs."""
+    """With a stage's slots unrolled (model/block.run_layers), XLA:CPU runs each MoE layer's
+    router (its TopK) as many times under remat full as under none, and the same dot FLOPs
+    within 1%: the block's re-run merges with the stage's (XLA:GPU does not merge them, so
+    metrics.flops.pipelined_reruns prices 1.5 re-runs at 2 slots, the upper bound here). The
+    scanned slots before ran 36 TopKs against 24, 11% more FLOPs."""
     def compiled(remat):
         cfg, origins = small_config("mesh.pipeline=2", "mesh.expert=4", "mesh.dcn_expert=2",
                                     "moe.num_experts=16", "moe.experts_per_token=4",
