@@ -39,8 +39,8 @@ REMAT_POLICIES = {  # model.remat_policy -> jax.checkpoint policy ("none" = no j
         offload_src="device", offload_dst="pinned_host"),
     # as full, but keep what two_level's hop 1 received across hosts (rows, router weights,
     # expert ids), so the backward's re-run of the block does not send it again: every MoE
-    # layer's [H, T, D] rows stay live to the backward. Pipelined layers gain nothing: their
-    # one re-run is the stage's (metrics.flops.recompute_factor), which sends hop 1 anyway
+    # layer's [H, T, D] rows stay live to the backward. Pipelined, the block's re-run reuses
+    # what the stage's re-run received (prerank.hop1_reruns)
     "save_received": jax.checkpoint_policies.save_only_these_names("moe_received"),
 }
 
@@ -104,9 +104,9 @@ def stacked_blocks(n: int, make, rngs: nnx.Rngs, per_layer: bool = False):
 def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str, mask=None,
                unroll: bool = False):
     """Applies stacked layers (state leaves [L, ...]) in order with lax.scan, or a Python loop
-    over them (`unroll`: a pipeline stage's few slots, so that the per-iteration remat's
-    re-run of the stage and the blocks' own re-runs are one computation, which XLA merges,
-    and the last slot's forward drops out of the former: metrics.flops.recompute_factor).
+    over them (`unroll`: a pipeline stage's few slots, so that the per-iteration remat's re-run
+    of the stage drops the last slot's forward, whose output the backward does not need:
+    metrics.flops.pipelined_reruns).
     mask [L] bool (the pipeline's padding slots, parallel/pipeline.py): a False layer passes
     x through."""
     def layer(h, layer_state):

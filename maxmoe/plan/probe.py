@@ -286,9 +286,8 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int,
         "kernel_calls": calls,
         "collectives": comm.by_axis, "collective_warnings": comm.warnings,
         "model_flops_per_step": setup.model_flops,
-        "recompute_factor": recompute_factor(cfg, sizes["pipeline"]),
-        "flops_check": flops_check(hlo, compiled, setup.model_flops / devices,
-                                   recompute_factor(cfg, sizes["pipeline"])),
+        "recompute_factor": (rerun := recompute_factor(cfg, sizes["pipeline"])),
+        "flops_check": flops_check(hlo, compiled, setup.model_flops / devices, rerun),
         # the FP8 class's share (metrics.flops.MFU_CONVENTION; 0 with precision.fp8 none)
         "model_flops_fp8_per_step": 6.0 * fp8_params_per_token(cfg) * setup.tokens_per_step,
         # the same FLOPs by the kernel class that prices them (plan/roofline.price_compute)
