@@ -22,7 +22,7 @@ from maxmoe.metrics.flops import flops_by_kernel, flops_per_token, recompute_fac
 from maxmoe.model.spec import layer_groups, pipeline_idle
 from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
-from maxmoe.parallel.schedule import PipelineSchedule, pipeline_schedule
+from maxmoe.parallel.schedule import pipeline_schedule
 from maxmoe.plan.roofline import (
     DEFAULT_LOAD_IMBALANCE,
     hosts_reached,
@@ -149,18 +149,17 @@ FP8_WIRE_BYTES = 1 + 4 / 128
 HOP1_FORWARD_AND_GRADIENTS = 4
 
 
-def hop1_reruns(remat: str, schedule: PipelineSchedule, layers: int) -> tuple[float, float]:
+def hop1_reruns(remat: str, slots: int) -> tuple[float, float]:
     """(times the backward sends a MoE layer's hop-1 dispatch again, its combine again), per
-    layer of a group of `layers` layers, pipelined where `schedule` pipelines it, as XLA:GPU
-    compiles it: unpipelined 1 and 0 under a remat policy (0 and 0 under none or
-    save_received); pipelined at S slots a stage, the stage's re-run adds (S - 1) / S of each
-    (the last slot's output is not needed), and the block's own re-run 1 dispatch but under
-    none or save_received, where the last slot's stage re-run sends it instead (its received
-    rows are needed): 1 + (S - 1) / S and (S - 1) / S under full, 1 and (S - 1) / S else."""
+    layer of a pipeline stage of `slots` slots (0: not pipelined), as XLA:GPU compiles it:
+    unpipelined 1 and 0 under a remat policy (0 and 0 under none or save_received); pipelined,
+    the stage's re-run adds (S - 1) / S of each (the last slot's output is not needed), and the
+    block's own re-run 1 dispatch but under none or save_received, where the last slot's stage
+    re-run sends it instead (its received rows are needed): 1 + (S - 1) / S and (S - 1) / S
+    under full, 1 and (S - 1) / S else."""
     resend = float(remat not in ("none", "save_received"))
-    if not schedule.pipelines(layers):
+    if not slots:
         return resend, 0.0
-    slots = schedule.slots(layers)
     stage = (slots - 1) / slots
     return (stage + 1.0 if resend else 1.0), stage
 
@@ -194,10 +193,9 @@ def routed_dispatch_bytes(cfg: Config, sizes: dict[str, int], dcn: dict[str, int
     schedule = pipeline_schedule(m, stages)
     # MoE layers one device runs per step at a stage's tokens, by their forward re-runs
     # (dispatch, combine): the pipelined group, the rest (MTP depths included)
-    runs = {hop1_reruns(m.remat_policy, pipeline_schedule(m, 1), 1):
-            m.mtp_depth if groups[-1][0] else 0}
+    runs = {hop1_reruns(m.remat_policy, 0): m.mtp_depth if groups[-1][0] else 0}
     for n in (n for is_moe, _, n in groups if is_moe):
-        key = hop1_reruns(m.remat_policy, schedule, n)
+        key = hop1_reruns(m.remat_policy, schedule.slots(n) if schedule.pipelines(n) else 0)
         runs[key] = runs.get(key, 0) + n / stages
     tokens = cfg.data.global_batch_size * cfg.data.seq_len / stage_batch_shards(cfg, sizes)
     hosts = (e.expert_hosts or dcn["expert"]) if how == "two_level" else dcn["expert"]

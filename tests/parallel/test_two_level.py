@@ -249,7 +249,7 @@ def test_hop_one_sends_the_planners_count_of_row_buffers_across_hosts(remat):
     tokens = cfg.data.global_batch_size * cfg.data.seq_len // 8  # the batch over data x expert
     rows = (hosts - 1) * tokens * m.hidden_size * 4
     small = (hosts - 1) * tokens * cfg.moe.experts_per_token * 4
-    exchanges, dispatches = hop1_exchanges(*hop1_reruns(remat, pipeline_schedule(m, 1), 1))
+    exchanges, dispatches = hop1_exchanges(*hop1_reruns(remat, 0))
     assert exchanges == {"full": 5, "save_received": 4}[remat]
     want = layers * (exchanges * rows + (2 * dispatches + 1) * small)
     assert comm.by_axis["expert"]["all-to-all"]["dcn"] == pytest.approx(want, rel=1e-6)
@@ -283,7 +283,7 @@ def test_pipelined_hop_one_row_buffers_on_xla_cpu(remat, layers, cpu_rows, price
     tokens = cfg.data.global_batch_size * cfg.data.seq_len // 4 // schedule.microbatches
     rows = (hosts - 1) * tokens * m.hidden_size * 4
     small = (hosts - 1) * tokens * cfg.moe.experts_per_token * 4
-    exchanges, _ = hop1_exchanges(*hop1_reruns(remat, schedule, moe_layers))
+    exchanges, _ = hop1_exchanges(*hop1_reruns(remat, schedule.slots(moe_layers)))
     assert schedule.slots(moe_layers) * exchanges == pytest.approx(priced_rows)
     per_iteration = comm.by_axis["expert"]["all-to-all"]["dcn"] / schedule.iterations
     assert per_iteration // rows == cpu_rows

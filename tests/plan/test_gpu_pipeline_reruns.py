@@ -40,7 +40,7 @@ def test_pipelined_hop_one_row_buffers_are_the_priced_count(remat, want_rows):
     tokens = cfg.data.global_batch_size * cfg.data.seq_len // 4 // schedule.microbatches
     rows = (hosts - 1) * tokens * m.hidden_size * 2  # bf16
     small = (hosts - 1) * tokens * cfg.moe.experts_per_token * 4  # float32 weights, int32 ids
-    exchanges, _ = hop1_exchanges(*hop1_reruns(remat, schedule, moe_layers))
+    exchanges, _ = hop1_exchanges(*hop1_reruns(remat, schedule.slots(moe_layers)))
     assert slots * exchanges == pytest.approx(want_rows)
     per_iteration = comm.by_axis["expert"]["all-to-all"]["dcn"] / schedule.iterations
     assert per_iteration // rows == want_rows
