@@ -102,15 +102,29 @@ def kernel_device(devices: Sequence) -> Iterator[None]:
         yield
 
 
+# The kernels' TMA copies want the row count M a multiple of their row tile (SM90 64, SM100
+# up to 128) or under one tile: Mosaic refuses 96 rows ("dimension 1 must have size smaller or a
+# multiple of its tiling 64"; the weight gradient reads the rows transposed). _ragged pads the
+ROW_TILE = 128  # rows to a multiple of it, past sum(sizes): outside every group, so no change
+
+
 def _ragged(lhs, rhs, sizes, dims, what: str):
-    """tokamax.ragged_dot_general with the one Mosaic implementation, in lhs's dtype."""
+    """tokamax.ragged_dot_general with the one Mosaic implementation, in lhs's dtype; the ragged
+    rows (lhs's, and rhs's for the weight gradient) padded to ROW_TILE, the result cut back."""
+    m = lhs.shape[0]
+    pad = -m % ROW_TILE
+    if pad:
+        lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
+        if dims is _WEIGHT_GRAD:
+            rhs = jnp.pad(rhs, ((0, pad), (0, 0)))
     try:
-        return _tokamax().ragged_dot_general(lhs, rhs, sizes, dims, implementation="mosaic",
-                                             preferred_element_type=lhs.dtype)
+        out = _tokamax().ragged_dot_general(lhs, rhs, sizes, dims, implementation="mosaic",
+                                            preferred_element_type=lhs.dtype)
     except NotImplementedError as e:
         raise ConfigError(f"moe.grouped_matmul=tokamax: tokamax's Mosaic GPU ragged_dot does not "
                           f"take the {what} ({lhs.dtype.name}{list(lhs.shape)} . "
                           f"{rhs.dtype.name}{list(rhs.shape)}): {_first_line(e)}") from None
+    return out if dims is _WEIGHT_GRAD or not pad else out[:m]
 
 
 def _rows_in_groups(x, sizes):

@@ -91,12 +91,13 @@ class FakeTokamax:
     leaving output rows outside the groups unwritten (NaN here), and a record of the calls."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.rows = [], []
 
     def ragged_dot_general(self, lhs, rhs, sizes, dims, *, implementation,
                            preferred_element_type):
         contract = tuple(tuple(d) for d in dims.dot_dimension_numbers[0])
         self.calls.append(("ragged_dot", implementation, contract))
+        self.rows.append(lhs.shape[0])
         out = jax.lax.ragged_dot_general(lhs, rhs, sizes, dims,
                                          preferred_element_type=preferred_element_type)
         if dims.rhs_group_dimensions:  # rows of the output are lhs's ragged rows
@@ -123,7 +124,9 @@ def fake(monkeypatch):
 def test_ragged_dot_three_grouped_calls_and_zero_rows_outside_groups(fake):
     """Values and both gradients equal lax.ragged_dot's autodiff exactly (float32), although
     the stand-in kernel leaves rows past sum(sizes) NaN; one implementation ("mosaic") per
-    call: forward, input gradient, weight gradient (the ragged contracting dimension)."""
+    call: forward, input gradient, weight gradient (the ragged contracting dimension), each
+    on the 24 rows padded to the kernel's row tile (Mosaic refuses 96 rows: the gpu_aot
+    test_gpu_train_step.py::test_grouped_gemm_takes_rows_not_a_multiple_of_its_tile)."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(24, 8)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32)
@@ -139,6 +142,7 @@ def test_ragged_dot_three_grouped_calls_and_zero_rows_outside_groups(fake):
     assert fake.calls == [("ragged_dot", "mosaic", ((1,), (1,))),
                           ("ragged_dot", "mosaic", ((1,), (2,))),
                           ("ragged_dot", "mosaic", ((0,), (0,)))]
+    assert fake.rows == [tokamax_ops.ROW_TILE] * 3
 
 
 def _rel(got, ref):

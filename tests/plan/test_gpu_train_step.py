@@ -113,6 +113,24 @@ def test_trip_count_check_fires_on_a_data_dependent_loop():
     assert '"known_trip_count":{"n":"7"}' in static and unknown_trip_loops(static) == []
 
 
+def test_grouped_gemm_takes_rows_not_a_multiple_of_its_tile():
+    """tokamax's Mosaic grouped GEMM refuses 96 rows (SM90's row tile is 64: "dimension 1 must
+    have size smaller or a multiple of its tiling 64"), which 4 token chunks of the DeepSeek
+    recipe at tiny size give (tests/plan/test_gpu_outer_rows.py); tokamax_ops pads the rows
+    to ROW_TILE. Forward and both gradients lower and compile for one deviceless H100."""
+    from maxmoe.kernels import tokamax_ops
+    one = jax.sharding.SingleDeviceSharding(gpu_devices(1, "h100")[0])
+    args = [jax.ShapeDtypeStruct(s, t, sharding=one) for s, t in
+            (((96, 128), jnp.bfloat16), ((2, 128, 64), jnp.bfloat16), ((2,), jnp.int32))]
+
+    def loss(x, w, sizes):
+        return tokamax_ops.ragged_dot(x, w, sizes).astype(jnp.float32).sum()
+    with tokamax_ops.kernel_device(one.device_set):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args)
+    hlo = lowered.compile().as_text()
+    assert hlo.count("mosaic_gpu") >= 2, "no Mosaic grouped kernel compiled"
+
+
 def test_tiny_fp8_blockwise_projections_run_fp8_experts_dequantised():
     """precision.fp8=blockwise (tiny, one dense and one MoE layer): the attention projections',
     dense MLP's and shared experts' GEMMs take f8e4m3fn operands (XLA:GPU writes them as
