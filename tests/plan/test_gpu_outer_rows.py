@@ -72,13 +72,21 @@ def row_group_instructions(hlo: str):
     return found
 
 
-def stage_axis_collectives(hlo: str, mesh, kinds: tuple[str, ...]) -> list[str]:
-    """Collectives of `kinds` (opcode prefixes) of >= SMALL result bytes in the row-group loops
-    whose device groups span the pipeline axis. Partition i is mesh.devices.flat[i]."""
+def entry_instructions(hlo: str):
+    """Instructions of the entry computation itself (outside every loop)."""
+    comps, entry = parse_module(hlo)
+    return comps[entry]
+
+
+def stage_axis_collectives(hlo: str, mesh, kinds: tuple[str, ...],
+                           where=row_group_instructions) -> list[str]:
+    """Collectives of `kinds` (opcode prefixes) of >= SMALL result bytes among where(hlo) (the
+    row-group loops) whose device groups span the pipeline axis. Partition i is
+    mesh.devices.flat[i]."""
     axis = list(mesh.shape).index("pipeline")
     coords = np.array(np.unravel_index(np.arange(mesh.devices.size), mesh.devices.shape)).T
     found = []
-    for ins in row_group_instructions(hlo):
+    for ins in where(hlo):
         if not ins.opcode.startswith(kinds) or ins.opcode.endswith("done") \
                 or shape_bytes(ins.type) < SMALL:
             continue
@@ -104,3 +112,16 @@ def test_row_groups_reduce_no_gradient_over_the_stages():
     """The dense prefix's gradients (and the head's: replicas.on_outer_replicas) are reduced
     over the stages once per step, after the row-group loops, not in them."""
     assert stage_axis_collectives(*compiled(), REDUCING) == []
+
+
+def test_pipeline_output_leaves_stage_zero_in_its_own_width():
+    """The pipeline's output rows, held by stage 0 after the loop, reach every stage as a sum
+    over the stage axis of the other stages' zeros (parallel/pipeline._stage_zero): in int32
+    words of the bf16 rows, since XLA:GPU reduces a bf16 sum in float32, twice the bytes (at
+    671B a 12.3 GB float32 reduce-scatter across hosts per device per step, and a 13 GB float32
+    buffer). The forward's reductions over the stage axis: none in float32, and one in s32."""
+    hlo, mesh = compiled()
+    forward = [c for c in stage_axis_collectives(hlo, mesh, REDUCING, entry_instructions)
+               if " jit(train_step)/jvp(" in c]
+    assert not [c for c in forward if "f32[" in c], forward
+    assert [c for c in forward if "s32[" in c], forward
