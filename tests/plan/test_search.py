@@ -73,8 +73,9 @@ def test_the_671b_recipe_estimate_is_near_its_compile_and_pipelined_zero1_ranks_
     the recipe's own layout is estimated within RECIPE_ESTIMATE_FACTOR of its compiled peak,
     and the fastest pipelined layout estimated to fit is a zero1 one, not a zero3 layout that
     would gather each stage's weights at all 239 pipeline iterations, and --search compiles it.
-    (Since the recipe's 4 token chunks an unpipelined zero3 layout ranks first overall, at an
-    estimated 73 s against the recipe's compiled 27 s: the pre-ranker's step model is coarse,
+    (Since the recipe's 4 token chunks an unpipelined zero3 layout ranks first among the
+    fitting ones, at an estimated 73 s: the recipe's own layout is estimated at 82 GiB, so
+    not fitting, and 43.5 s, against 57.8 GiB and 27.2 s compiled. The pre-ranker is coarse,
     which is why --search compiles the best of each family.)"""
     cfg, origins = load_config(["configs/models/deepseek_v3_671b.yaml",
                                 "configs/experiments/deepseek_v3_2048xh800.yaml"], [])
