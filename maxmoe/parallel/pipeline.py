@@ -19,9 +19,9 @@ them every iteration).
 
 Each iteration's stage pass is rematerialised (per-iteration remat): the backward keeps only
 the stage inputs, one microbatch's [B/M, S, D] per iteration (bf16 ones as float32 words of
-their bytes, `_pack`), and recomputes the pass (one more forward of the pipelined layers), so
-the weights each stage picked are not kept per iteration (docs/performance/parallelism.md, "Pipeline
-memory at scale").
+their bytes, `stage_words.pack`), and recomputes the pass (one more forward of the pipelined
+layers), so the weights each stage picked are not kept per iteration
+(docs/performance/parallelism.md, "Pipeline memory at scale").
 
 Outside the pipeline the stage axes split the batch like data (config.DEFAULT_RULES): the
 embedding, dense layers, LM head, loss and MTP run once per row, each stage on its 1/P of the
@@ -53,6 +53,7 @@ from flax import nnx
 from maxmoe.parallel.replicas import stack_axes, stack_source
 from maxmoe.parallel.row_groups import MAXED, ROOT_MEAN_SQUARE
 from maxmoe.parallel.schedule import PipelineSchedule
+from maxmoe.parallel.stage_words import pack, packs, stage_zero, unpack
 from maxmoe.sharding import (
     current_mesh,
     entry_axes,
@@ -251,20 +252,20 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     [P, V, slots, ...])."""
     stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
     mask = np.asarray(table).reshape(stages, repeats, -1) >= 0
-    padded, packs = not mask.all(), _packs(x)
+    padded, packed = not mask.all(), packs(x)
     xs, segs, poss = (_microbatches(a, m) for a in (x, segment_ids, positions))
 
     def stage_step(stage_chunks, stage_mask, h, seg, pos, v):
         """One stage: pick its chunk for pass v, run its layers (padding slots masked); h as
-        `_pack` packed it."""
-        h = _unpack(h, x.dtype) if packs else h
+        `pack` packed it."""
+        h = unpack(h, x.dtype) if packed else h
         params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False),
                               stage_chunks)
         slots = jax.lax.dynamic_index_in_dim(stage_mask, v, 0, keepdims=False)
         return run_layers(graphdef, params, h, seg, pos, mask=slots if padded else None)
 
     # per-iteration remat: the backward recomputes each stage's pass from its input, saved per
-    # iteration as `_pack` packs it. Without it, differentiating the scan over iterations keeps
+    # iteration as `pack` packs it. Without it, differentiating the scan over iterations keeps
     # what each iteration derived from its index, the weights each stage picked for its pass:
     # iterations x one stage's weights.
     stage_step = jax.checkpoint(stage_step, policy=jax.checkpoint_policies.nothing_saveable,
@@ -272,7 +273,7 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     stage_axes = mesh_axes("stage")
     all_stages = jax.vmap(stage_step, spmd_axis_name=stage_axes[0] if len(stage_axes) == 1
                           else (stage_axes or None))
-    pack = functools.partial(_pack, dtype=x.dtype) if packs else lambda h: h
+    to_saved = functools.partial(pack, dtype=x.dtype) if packed else lambda h: h
 
     # `io` [P, M, ...], each stage's slice on its own devices (reads at loop-varying rows stay
     # local): stage 0's holds the microbatches (every stage holds xs), each row replaced by
@@ -281,7 +282,7 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     io = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
     buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
     mask = jnp.asarray(mask)
-    aux_sum = _aux_zeros(all_stages, stage_params, mask, pack(buf), segs, poss, repeats)
+    aux_sum = _aux_zeros(all_stages, stage_params, mask, to_saved(buf), segs, poss, repeats)
 
     def iteration(carry, t):
         buf, io, aux_sum = carry
@@ -292,7 +293,7 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
         # stage 0 takes row t mod M: the microbatch itself on its first pass (t < M), else its
         # output of the last stage's previous pass, written at iteration t - M + P - 1 (M >= P)
         h_in = jnp.where(first, jax.lax.dynamic_index_in_dim(io, t % m, 1, keepdims=False), buf)
-        h, aux = all_stages(pin(stage_params), mask, pack(h_in), segs[micro], poss[micro], v)
+        h, aux = all_stages(pin(stage_params), mask, to_saved(h_in), segs[micro], poss[micro], v)
         weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
         aux_sum = {k: _aux_add(k, acc, weight, aux[k]) for k, acc in aux_sum.items()}
         buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
@@ -306,29 +307,8 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
 
     (_, io, aux_sum), _ = jax.lax.scan(iteration, (buf, io, aux_sum),
                                        jnp.arange(schedule.iterations))
-    y = _stage_zero(stages, io) if packs else jnp.sum(jnp.where(first[:, None], io, 0), axis=0)
+    y = stage_zero(stages, io) if packed else jnp.sum(jnp.where(first[:, None], io, 0), axis=0)
     return y.swapaxes(0, 1).reshape(x.shape), aux_sum
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stage_zero(stages: int, io: jax.Array) -> jax.Array:
-    """io [P = stages, ...] (16-bit floats, even last dim) -> io[0] on every stage, as a sum over the
-    stage axis of the other stages' zeros, in int32 words (`_packs`' layout): the sum is
-    exact and XLA:GPU moves it as it is, where a 16-bit float sum runs and reduce-scatters
-    across hosts in float32 (twice the bytes; at 671B a 13 GB float32 buffer). Its gradient,
-    the cotangent on stage 0 and zeros elsewhere, is the float sum's."""
-    words = jax.lax.bitcast_convert_type(io.reshape(*io.shape[:-1], -1, 2), jnp.int32)
-    first = (jnp.arange(io.shape[0]) == 0).reshape(-1, *(1,) * (words.ndim - 1))
-    y = jnp.sum(jnp.where(first, words, 0), axis=0)
-    return jax.lax.bitcast_convert_type(y, io.dtype).reshape(io.shape[1:])
-
-
-def _stage_zero_bwd(stages: int, _, g):
-    first = (jnp.arange(stages) == 0).reshape(-1, *(1,) * g.ndim)
-    return (jnp.where(first, g[None], jnp.zeros((), g.dtype)),)
-
-
-_stage_zero.defvjp(lambda stages, io: (_stage_zero(stages, io), None), _stage_zero_bwd)
 
 
 def _microbatches(a: jax.Array, m: int) -> jax.Array:
@@ -352,45 +332,6 @@ def _aux_zeros(all_stages, stage_params, mask, h, segs, poss, repeats: int) -> d
         jnp.zeros((stages, *poss.shape[1:]), poss.dtype), jnp.zeros((stages,), jnp.int32))[1])
     return {k: jnp.zeros((stages, repeats, *s.shape[1:]), jnp.float32)
             for k, s in shapes.items() if k in _AUX_KEYS}
-
-
-def _packs(x: jax.Array) -> bool:
-    """Whether the stage inputs are saved packed (`_pack`): a 16-bit float of even width."""
-    return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 2 and x.shape[-1] % 2 == 0
-
-
-def _words(h: jax.Array) -> jax.Array:
-    """16-bit floats [..., D] -> float32 [..., D/2] holding the same bytes."""
-    return jax.lax.bitcast_convert_type(h.reshape(*h.shape[:-1], -1, 2), jnp.float32)
-
-
-def _halves(w: jax.Array, dtype) -> jax.Array:
-    """`_words`' inverse: float32 [..., D/2] -> `dtype` [..., D]."""
-    return jax.lax.bitcast_convert_type(w, dtype).reshape(*w.shape[:-1], -1)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _pack(h: jax.Array, dtype) -> jax.Array:
-    """The stage input h (bf16 [..., D]) as float32 words [..., D/2] of its bytes, the form
-    the scan saves per iteration for the backward; `_unpack` reads it back, and cotangents
-    cross both packed the same way. Saved as bf16, XLA:CPU's float normalisation upcasts the
-    saved stack's per-iteration update and read to float32 and hoists the read's conversion
-    out of the backward loop: a float32 copy and a second bf16 copy of the whole stack
-    (docs/performance/parallelism.md, "Stage inputs and stacks"); float32 words are moved as they
-    are."""
-    return _words(h)
-
-
-_pack.defvjp(lambda h, dtype: (_words(h), None), lambda dtype, _, g: (_halves(g, dtype),))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _unpack(w: jax.Array, dtype) -> jax.Array:
-    """`_pack`'s inverse: float32 words [..., D/2] -> `dtype` [..., D]."""
-    return _halves(w, dtype)
-
-
-_unpack.defvjp(lambda w, dtype: (_halves(w, dtype), None), lambda dtype, _, g: (_words(g),))
 
 
 def _aux_add(key: str, acc, weight, value):

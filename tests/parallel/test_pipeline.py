@@ -195,8 +195,9 @@ class _Toy(nnx.Module):
 
 @pytest.mark.parametrize("kind, repeats, layers", [("gpipe", 1, 4), ("circular", 2, 6)])
 def test_packed_stage_inputs_change_no_bit(monkeypatch, kind, repeats, layers):
-    """bf16 stage inputs are saved as float32 words of their bytes (`_pack`): the pipelined
-    output and gradients equal, bit for bit, those of the same schedule saving them as bf16;
+    """bf16 stage inputs are saved as float32 words of their bytes (`stage_words.pack`) and
+    the output leaves stage 0 as int32 words (`stage_words.stage_zero`): the pipelined output
+    and gradients equal, bit for bit, those of the same schedule keeping them as bf16;
     and the unpipelined stack's within bf16 rounding (rtol 0.05: bf16 at 8 bits of mantissa,
     through 4-6 layers)."""
     stack = nnx.vmap(lambda r: _Toy(r), in_axes=0)(nnx.Rngs(0).fork(split=layers))
@@ -216,7 +217,7 @@ def test_packed_stage_inputs_change_no_bit(monkeypatch, kind, repeats, layers):
     packed = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
     reference = jax.jit(jax.value_and_grad(functools.partial(loss, piped=False),
                                            argnums=(0, 1)))(state, x)
-    monkeypatch.setattr(pipeline, "_packs", lambda x: False)
+    monkeypatch.setattr(pipeline, "packs", lambda x: False)
     plain = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
     for a, b, c in zip(jax.tree.leaves(packed), jax.tree.leaves(plain),
                        jax.tree.leaves(reference), strict=True):

@@ -116,7 +116,7 @@ def test_row_groups_reduce_no_gradient_over_the_stages():
 
 def test_pipeline_output_leaves_stage_zero_in_its_own_width():
     """The pipeline's output rows, held by stage 0 after the loop, reach every stage as a sum
-    over the stage axis of the other stages' zeros (parallel/pipeline._stage_zero): in int32
+    over the stage axis of the other stages' zeros (parallel/stage_words.stage_zero): in int32
     words of the bf16 rows, since XLA:GPU reduces a bf16 sum in float32, twice the bytes (at
     671B a 12.3 GB float32 reduce-scatter across hosts per device per step, and a 13 GB float32
     buffer). The forward's reductions over the stage axis: none in float32, and one in s32."""
