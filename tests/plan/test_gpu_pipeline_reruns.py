@@ -3,9 +3,12 @@ group): the hop-1 row buffers two_level sends across hosts per pipeline iteratio
 prerank.hop1_reruns' count, which metrics.flops.pipelined_reruns prices the compute by. XLA:GPU
 does not merge a block's own re-run with the stage's re-run of the same slot (XLA:CPU does:
 tests/parallel/test_two_level.py), so at 2 slots a stage remat full sends the dispatch 1.5
-times more per layer. Small model (tests/helpers SMALL, 5 layers of which 4 MoE, hidden 256),
-bf16,
-pipeline 2 x expert 4 on 8 deviceless H100s in 2 hosts, gpipe, 2 microbatches (3 iterations).
+times more per layer. The cause is tokamax's flash attention: the stage's re-run calls its
+primal kernel, the block's re-run its forward-rule kernel (which also writes the softmax
+statistics), two different custom calls; with attention.implementation=einsum this model
+sends 11 under full too (docs/performance/gpu.md, "Four chunks shipped"). Small model
+(tests/helpers SMALL, 5 layers of which 4 MoE, hidden 256), bf16, pipeline 2 x expert 4 on 8
+deviceless H100s in 2 hosts, gpipe, 2 microbatches (3 iterations).
 """
 
 import pytest
