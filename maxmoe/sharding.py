@@ -342,12 +342,12 @@ def on_compute_copy() -> bool:
 
 def stack_source_spec(variable, rules: Mapping[str, list[str]] | None = None,
                       sizes: Mapping[str, int] | None = None) -> P:
-    """The spec the pipeline regroups a stacked layer param [L, ...] from (parallel/pipeline.py
-    `stage_layout`), under `rules` and mesh axis `sizes` (default: the current ones): the
-    rules' own (`dim_axes`), and where the stage axes split none of its dims (P does not
-    divide L), the stage axes added, minor, to the dim the train state stores them on
-    (`variable_axes`), so each device reads 1/P of the stack instead of all of it (e.g. V3's
-    58 MoE layers on 16 stages). The rules' spec where storage keeps them off every dim, or
+    """The spec the pipeline regroups a stacked layer param [L, ...] from
+    (parallel/stage_weights.py `stage_layout`), under `rules` and mesh axis `sizes` (default:
+    the current ones): the rules' own (`dim_axes`), and where the stage axes split none of its
+    dims (P does not divide L), the stage axes added, minor, to the dim the train state stores
+    them on (`variable_axes`), so each device reads 1/P of the stack instead of all of it (e.g.
+    V3's 58 MoE layers on 16 stages). The rules' spec where storage keeps them off every dim, or
     that dim cannot take them (e.g. the router bias, stored by the rules alone)."""
     rules = rules if rules is not None else (_RULES.get() or {})
     mesh = _MESH.get()

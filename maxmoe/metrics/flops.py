@@ -117,14 +117,14 @@ def recompute_factor(cfg: Config, stages: int) -> float:
 
 
 def pipelined_reruns(remat: str, slots: int) -> float:
-    """Forwards the backward runs again per layer of a pipeline stage of `slots` slots, as
-    XLA:GPU compiles it. The per-iteration remat (parallel/pipeline.py) re-runs the stage's
-    pass from its input, but for the last slot's forward (its output is the stage's, which the
-    backward does not need; the slots are unrolled, model/block.run_layers); then each
-    block's own remat re-runs the block (XLA:CPU merges that with the stage's re-run of the
-    same slot; XLA:GPU does not). Without block remat the stage's re-run is the only one and
-    keeps every slot; save_received is counted at 2 (an upper bound: its block re-run keeps
-    the last slot's stage re-run up to the hop-1 dispatch)."""
+    """Forwards the backward runs again per layer of a pipeline stage of `slots` slots. Under
+    a block remat that re-runs blocks whole (model/block.RERUNS_WHOLE_BLOCK) the pipeline's
+    backward runs each iteration's slots but the last forward one iteration ahead, to give the
+    next its slot inputs (parallel/pipeline._Loop), and each block's vjp re-runs the block:
+    1 + (S - 1) / S, on every compiler (plus one unread pass a step, 1 / (V M + P - 1) of
+    them: left out). Without block remat a backward iteration runs its pass forward once and
+    keeps every slot's residuals; save_received is counted at 2 (an upper bound: the vjp's
+    forward runs the block up to the hop-1 dispatch, whose received rows it keeps)."""
     if remat == "none":
         return 1.0
     if remat == "save_received":

@@ -43,6 +43,12 @@ REMAT_POLICIES = {  # model.remat_policy -> jax.checkpoint policy ("none" = no j
     # what the stage's re-run received (prerank.hop1_reruns)
     "save_received": jax.checkpoint_policies.save_only_these_names("moe_received"),
 }
+# the policies whose backward re-runs a block's forward whole from its input (the MoE exchanges
+# included): a pipeline stage then runs its slots' re-run one backward iteration ahead, beside
+# another microbatch's backward (parallel/pipeline.py); under none and save_received a stage's
+# backward runs its slots' forward once, in the same iteration (ahead, the slots but the last
+# would run twice)
+RERUNS_WHOLE_BLOCK = ("full", "dots", "save_named", "offload_named")
 
 
 class Block(nnx.Module):
@@ -104,9 +110,8 @@ def stacked_blocks(n: int, make, rngs: nnx.Rngs, per_layer: bool = False):
 def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str, mask=None,
                unroll: bool = False):
     """Applies stacked layers (state leaves [L, ...]) in order with lax.scan, or a Python loop
-    over them (`unroll`: a pipeline stage's few slots, so that the per-iteration remat's re-run
-    of the stage drops the last slot's forward, whose output the backward does not need:
-    metrics.flops.pipelined_reruns).
+    over them (`unroll`: a pipeline stage's few slots, whole or some of them: the pipeline's
+    backward runs them one at a time, parallel/pipeline._Loop).
     mask [L] bool (the pipeline's padding slots, parallel/pipeline.py): a False layer passes
     x through."""
     def layer(h, layer_state):
@@ -165,7 +170,8 @@ def run_stack(stack, x, segment_ids, positions, *, remat: str,
     def run(state, x, segment_ids, positions):
         if pipeline is not None:
             return run_pipeline(nnx.merge(graphdef, state), x, segment_ids, positions,
-                                run_layers=layers, schedule=pipeline)
+                                run_layers=layers, schedule=pipeline,
+                                ahead=remat in RERUNS_WHOLE_BLOCK)
         return layers(graphdef, state, x, segment_ids, positions)
 
     replicas = stack_replicas(state, pipeline is not None)

@@ -17,11 +17,14 @@ them every iteration).
 - gpipe (V = 1): any M; bubble (P - 1) / (M + P - 1).
 - circular (V > 1, M >= P): bubble (P - 1) / (V M + P - 1), V times smaller for the same M.
 
-Each iteration's stage pass is rematerialised (per-iteration remat): the backward keeps only
-the stage inputs, one microbatch's [B/M, S, D] per iteration (bf16 ones as float32 words of
-their bytes, `stage_words.pack`), and recomputes the pass (one more forward of the pipelined
-layers), so the weights each stage picked are not kept per iteration
-(docs/performance/parallelism.md, "Pipeline memory at scale").
+Each iteration's stage pass is rematerialised (per-iteration remat): the loop keeps only the
+stage inputs for its backward, one microbatch's [B/M, S, D] per iteration (bf16 ones as
+float32 words of their bytes, `stage_words.pack`), and recomputes the pass, so the weights
+each stage picked are not kept per iteration (docs/performance/parallelism.md, "Pipeline
+memory at scale"). The loop's backward is its own (`_Loop`, a custom VJP): under a block
+remat it re-runs each iteration's slots one backward iteration ahead, beside another
+microbatch's backward, so each one's MoE exchanges can run under the other's compute
+(docs/performance/gpu.md, "The re-run ahead").
 
 Outside the pipeline the stage axes split the batch like data (config.DEFAULT_RULES): the
 embedding, dense layers, LM head, loss and MTP run once per row, each stage on its 1/P of the
@@ -30,11 +33,8 @@ where "batch" names the other batch axes alone: x enters as [B, S, D] split over
 and is regrouped into microbatches [M, B/M, S, D] split over the others (every stage holds
 every microbatch's rows of its batch shard; stage 0 reads them), and leaves the same way.
 
-Weights are stored in natural layer order (checkpoints do not depend on the stages), their
-layer dim split over the pipeline axis in contiguous blocks where P divides it, else another
-dim split over it (`sharding.stack_source_spec`). Each step regroups them into stage slots
-(`stage_layout`) with collectives that move every byte once; only the stage dim is
-constrained, the other dims keep their expert / fsdp / tensor split.
+Weights are stored in natural layer order (checkpoints do not depend on the stages); each step
+regroups them into stage slots (parallel/stage_weights.stage_layout).
 
 The MoE aux values are summed (expert load) or averaged over microbatches, which gives exactly
 the whole batch's values: the balance losses are built from them after the pipeline
@@ -43,20 +43,21 @@ the whole batch's values: the balance losses are built from them after the pipel
 
 from __future__ import annotations
 
-import functools
+import contextvars
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax._src import core as jax_core  # the axis env (spmd axis names): _Loop._bwd
 
-from maxmoe.parallel.replicas import stack_axes, stack_source
+from maxmoe.parallel.replicas import stack_axes
 from maxmoe.parallel.row_groups import MAXED, ROOT_MEAN_SQUARE
 from maxmoe.parallel.schedule import PipelineSchedule
+from maxmoe.parallel.stage_weights import stage_layout
 from maxmoe.parallel.stage_words import pack, packs, stage_zero, unpack
 from maxmoe.sharding import (
     current_mesh,
-    entry_axes,
     mesh_axes,
     on_compute_copy,
     shard,
@@ -85,126 +86,15 @@ def num_stages() -> int:
     return n
 
 
-def _constrain(a: jax.Array, logical: tuple) -> jax.Array:
-    """with_sharding_constraint by logical names, dropping axes that do not divide a dim (as
-    the params' own shardings do); identity without a mesh."""
-    if current_mesh() is None:
-        return a
-    return jax.lax.with_sharding_constraint(a, spec(logical, shape=a.shape))
-
-
-def slot_permutes(table: list[list[int]], block: int) -> list[tuple[int, int, int, list]]:
-    """The collective permutes that move a stack stored in natural order to the stage slots.
-
-    table[p][s]: the natural layer in slot s of stage p, -1 for padding (PipelineSchedule.
-    slot_table). Stored, stage q holds layers q block ... q block + block - 1. Returns
-    (r, s, n, [(q, p), ...]): rows r..r+n-1 of every source q go to slots s..s+n-1 of its p.
-    Each entry pairs distinct sources with distinct destinations (a partial permutation), every
-    real slot receives once, and runs of neighbouring layers with the same pairs are merged
-    (equal circular chunks move as whole chunks)."""
-    moves: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for p, row in enumerate(table):
-        for slot, layer in enumerate(row):
-            if layer >= 0:
-                q, r = divmod(layer, block)
-                moves.setdefault((r, slot), []).append((q, p))
-    out: list[tuple[int, int, int, list]] = []
-    for r, slot in sorted(moves, key=lambda rs: (rs[1] - rs[0], rs[0])):  # diagonals together
-        pairs = sorted(moves[r, slot])
-        if out and out[-1][3] == pairs and (out[-1][0] + out[-1][2], out[-1][1] + out[-1][2]) \
-                == (r, slot):
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1, pairs)
-        else:
-            out.append((r, slot, 1, pairs))
-    return out
-
-
-def _entry(axes: tuple):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def _stage_slots(a: jax.Array, source: tuple | None, table: list[list[int]]) -> jax.Array:
-    """[L, ...] in natural layer order, read with PartitionSpec `source` (`sharding.
-    stack_source_spec`; None without a mesh) -> [P S, ...]: rows p S ... p S + S - 1 hold
-    stage p's slots as `table` [P][S] names them, zeros in padding slots.
-
-    Each case moves every weight byte at most once, in a shard_map; XLA's partitioner, asked
-    for the same regrouping as a reshape and transpose, replicated the whole stack on every
-    device first. The layer dim split over the stage axes (contiguous blocks, as stored when
-    P | L): collective permutes (`slot_permutes`). The layer dim whole (e.g. 58 layers on 16
-    stages): where another dim is split over the stage axes (their minor part; the source
-    spec puts them where the state is stored), an all-to-all hands each stage its slots'
-    slices; else each stage picks its slots from the whole stack, with no traffic. Anything
-    else (no mesh; other splits): a plain gather."""
-    index = np.asarray(table)
-    layers = a.shape[0]
-    if np.array_equal(index.reshape(-1), np.arange(layers)):
-        return a  # equal gpipe chunks: the stored order already is the stage order
-    stage_axes = mesh_axes("stage")
-    pspec = tuple(source or ()) + (None,) * (a.ndim - len(source or ()))
-    # numpy constants: a jax array closed over by a shard_map body keeps the outer mesh
-    keep = (index.reshape(-1) >= 0).reshape(-1, *([1] * (a.ndim - 1)))
-    rows = np.maximum(index, 0)
-    if not stage_axes:
-        return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
-    axis = _entry(tuple(stage_axes))
-    where = [d for d, entry in enumerate(pspec) if set(entry_axes(entry)) & set(stage_axes)]
-    run = functools.partial(jax.shard_map, in_specs=jax.sharding.PartitionSpec(*pspec),
-                            check_vma=False)  # off as in parallel/experts.py (the vmap)
-    if where == [0] and entry_axes(pspec[0]) == tuple(stage_axes):
-        return run(functools.partial(_permute_rows, table=table, axis=axis),
-                   out_specs=jax.sharding.PartitionSpec(*pspec))(a)
-    if pspec[0] is None and not where:
-        def pick(whole):  # [L, ...] on every stage: take this stage's slots
-            q = jax.lax.axis_index(axis)
-            mine = jnp.take(whole, jnp.asarray(rows)[q], axis=0)
-            return jnp.where(jnp.asarray(keep.reshape(*index.shape, *keep.shape[1:]))[q], mine, 0)
-        return run(pick, out_specs=jax.sharding.PartitionSpec(axis, *pspec[1:]))(a)
-    d = where[0] if len(where) == 1 else None
-    if pspec[0] is None and d and entry_axes(pspec[d])[-len(stage_axes):] == tuple(stage_axes):
-        def exchange(local):  # [L, ...], dim d a slice: send each stage its slots of it
-            sent = jnp.where(keep, jnp.take(local, rows.reshape(-1), axis=0), 0)
-            return jax.lax.all_to_all(sent, axis, 0, d, tiled=True)
-        out = list(pspec)
-        out[0], out[d] = axis, _entry(entry_axes(pspec[d])[:-len(stage_axes)])
-        return run(exchange, out_specs=jax.sharding.PartitionSpec(*out))(a)
-    return jnp.where(keep, jnp.take(a, rows.reshape(-1), axis=0), 0)
-
-
-def _permute_rows(local, *, table, axis):
-    """shard_map body: this stage's stored layers [L/P, ...] -> its slots [S, ...]."""
-    stages, width = len(table), len(table[0])
-    out = jnp.zeros((width, *local.shape[1:]), local.dtype)
-    for r, slot, n, pairs in slot_permutes(table, local.shape[0]):
-        moved = local[r:r + n]
-        if pairs != [(q, q) for q in range(stages)]:
-            moved = jax.lax.ppermute(moved, axis, pairs)
-        out = out.at[slot:slot + n].add(moved)
-    return out
-
-
-def stage_layout(state, table: list[list[int]], repeats: int):
-    """Stacked layer params [L, ...] (natural order, as stored) -> [P, V, slots, ...]: stage p,
-    pass v, slot k holds layer table[p][v slots + k] (zeros for padding). The trailing dims
-    keep their own sharding (expert, fsdp, tensor): only the stage dim is constrained, so no
-    weight is gathered whole."""
-    stages, width = len(table), len(table[0])
-
-    def one(var):
-        a, logical = var.get_value(), stack_axes(var, 1)
-        a = _stage_slots(a, stack_source(var) if current_mesh() is not None else None, table)
-        a = a.reshape(stages, repeats, width // repeats, *a.shape[1:])
-        return var.replace(_constrain(a, ("stage", None, None, *logical[1:])))
-    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: PipelineSchedule):
+def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: PipelineSchedule,
+                 ahead: bool = True):
     """x [B, S, D] through all layers of `stack` (leading dim L) on the pipeline, as
     `schedule` (its stages = this mesh's; schedule.pipelines(L)) says.
 
     run_layers(graphdef, layer_state, h, segment_ids, positions, mask=None) -> (h, aux stacked
-    per layer) runs a chunk of layers (scan + remat as configured); mask [slots] bool, given
-    when chunks are unequal, makes the False slots identities. Returns (x, aux [L, ...]).
+    per layer) runs a chunk of layers (scan + remat as configured; any number of a stage's
+    slots); mask [slots] bool, given when chunks are unequal, makes the False slots
+    identities. Returns (x, aux [L, ...]).
 
     x arrives and leaves split over the batch axes, the stage axes among them (outside the
     pipeline they split the rows too); the stages run under `within_stages`, where "batch"
@@ -213,102 +103,286 @@ def run_pipeline(stack, x, segment_ids, positions, *, run_layers, schedule: Pipe
     graphdef, state = nnx.split(stack)
     table = schedule.slot_table(jax.tree.leaves(state)[0].shape[0])  # [P][V slots]: layer / -1
     stage_params = stage_layout(state, table, schedule.repeats)  # [P, V, slots, ...]
-    pin = _gradients_pinned(stage_params)
+    pins = _gradient_specs(stage_params)
     with within_stages():
         y, aux_sum = _run_schedule(graphdef, stage_params, table, x, segment_ids, positions,
-                                   run_layers=run_layers, schedule=schedule, pin=pin)
+                                   run_layers=run_layers, schedule=schedule, pins=pins,
+                                   ahead=ahead)
     return shard(y, ("batch", "seq", "act_embed")), _natural_aux(aux_sum, table,
                                                                  schedule.microbatches)
 
 
-def _gradients_pinned(stage_params):
-    """On a compute copy (mesh.weights zero1 / hsdp): stage params -> the same, whose gradient
-    at every pipeline iteration is constrained to the copy's stage layout (replicated over the
-    data-parallel axes), so the scan's transpose sums it per device and XLA:GPU can reduce it
-    once after the loop (train/gradients.py); left to itself XLA shards the sum and
-    reduce-scatters every iteration. The identity otherwise."""
+def _gradient_specs(stage_params) -> list | None:
+    """On a compute copy (mesh.weights zero1 / hsdp): the specs the pipeline loop's gradient
+    sum of each float stage param is held in, the copy's stage layout (replicated over the
+    data-parallel axes), so it sums per device and XLA:GPU reduces it once after the loop
+    (train/gradients.py); left to itself XLA shards the sum and reduce-scatters every
+    iteration. None otherwise (no constraint)."""
     if current_mesh() is None or not on_compute_copy():
-        return lambda tree: tree
-    specs = [spec(("stage", None, None, *stack_axes(v, 3)[3:]), shape=v.get_value().shape)
-             for v in jax.tree.leaves(stage_params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
-
-    @jax.custom_vjp
-    def pin(tree):
-        return tree
-
-    def backward(_, ct):
-        leaves, tree = jax.tree.flatten(ct)
-        return (tree.unflatten([jax.lax.with_sharding_constraint(c, s)
-                                for c, s in zip(leaves, specs, strict=True)]),)
-
-    pin.defvjp(lambda tree: (tree, None), backward)
-    return pin
+        return None
+    return [spec(("stage", None, None, *stack_axes(v, 3)[3:]), shape=v.get_value().shape)
+            for v in jax.tree.leaves(stage_params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+            if jnp.issubdtype(v.get_value().dtype, jnp.inexact)]
 
 
 def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, run_layers,
-                  schedule: PipelineSchedule, pin=lambda tree: tree):
+                  schedule: PipelineSchedule, pins=None, ahead: bool = True):
     """run_pipeline's loop, traced under `within_stages`: the microbatches through the stages
     [P, V, slots, ...] of `stage_params`. Returns (y [B, S, D], aux summed per stage and pass
     [P, V, slots, ...])."""
-    stages, repeats, m = schedule.stages, schedule.repeats, schedule.microbatches
-    mask = np.asarray(table).reshape(stages, repeats, -1) >= 0
-    padded, packed = not mask.all(), packs(x)
-    xs, segs, poss = (_microbatches(a, m) for a in (x, segment_ids, positions))
-
-    def stage_step(stage_chunks, stage_mask, h, seg, pos, v):
-        """One stage: pick its chunk for pass v, run its layers (padding slots masked); h as
-        `pack` packed it."""
-        h = unpack(h, x.dtype) if packed else h
-        params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False),
-                              stage_chunks)
-        slots = jax.lax.dynamic_index_in_dim(stage_mask, v, 0, keepdims=False)
-        return run_layers(graphdef, params, h, seg, pos, mask=slots if padded else None)
-
-    # per-iteration remat: the backward recomputes each stage's pass from its input, saved per
-    # iteration as `pack` packs it. Without it, differentiating the scan over iterations keeps
-    # what each iteration derived from its index, the weights each stage picked for its pass:
-    # iterations x one stage's weights.
-    stage_step = jax.checkpoint(stage_step, policy=jax.checkpoint_policies.nothing_saveable,
-                                prevent_cse=False)
-    stage_axes = mesh_axes("stage")
-    all_stages = jax.vmap(stage_step, spmd_axis_name=stage_axes[0] if len(stage_axes) == 1
-                          else (stage_axes or None))
-    to_saved = functools.partial(pack, dtype=x.dtype) if packed else lambda h: h
-
-    # `io` [P, M, ...], each stage's slice on its own devices (reads at loop-varying rows stay
-    # local): stage 0's holds the microbatches (every stage holds xs), each row replaced by
-    # the microbatch's output of the last stage once stage 0 has read it. Then the ring buffer
-    first = (jnp.arange(stages) == 0).reshape(stages, 1, 1, 1)
-    io = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
-    buf = shard(jnp.zeros((stages, *xs.shape[1:]), x.dtype), ("stage", "batch", "seq", "act_embed"))
-    mask = jnp.asarray(mask)
-    aux_sum = _aux_zeros(all_stages, stage_params, mask, to_saved(buf), segs, poss, repeats)
-
-    def iteration(carry, t):
-        buf, io, aux_sum = carry
-        i = t - jnp.arange(stages)  # virtual microbatch of each stage
-        valid = (i >= 0) & (i < repeats * m)
-        micro = jnp.clip(i, 0, repeats * m - 1) % m
-        v = jnp.clip(i, 0, repeats * m - 1) // m
-        # stage 0 takes row t mod M: the microbatch itself on its first pass (t < M), else its
-        # output of the last stage's previous pass, written at iteration t - M + P - 1 (M >= P)
-        h_in = jnp.where(first, jax.lax.dynamic_index_in_dim(io, t % m, 1, keepdims=False), buf)
-        h, aux = all_stages(pin(stage_params), mask, to_saved(h_in), segs[micro], poss[micro], v)
-        weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
-        aux_sum = {k: _aux_add(k, acc, weight, aux[k]) for k, acc in aux_sum.items()}
-        buf = shard(jnp.roll(h, 1, axis=0), ("stage", "batch", "seq", "act_embed"))
-        # buf[0] now holds the last stage's output of virtual microbatch t - P + 1: stage 0
-        # keeps it in io[0, its row mod M], read at iteration t - P + 1 (each stage writes
-        # its own slice alike, unused). Before iteration P - 1 that is row 0, read at t = 0
-        # and written for real at P - 1, before stage 0 reads it again (t = M >= P)
-        row = jnp.maximum(t - stages + 1, 0) % m
-        io = jax.lax.dynamic_update_index_in_dim(io, buf, row, 1)
-        return (buf, io, aux_sum), None
-
-    (_, io, aux_sum), _ = jax.lax.scan(iteration, (buf, io, aux_sum),
-                                       jnp.arange(schedule.iterations))
-    y = stage_zero(stages, io) if packed else jnp.sum(jnp.where(first[:, None], io, 0), axis=0)
+    stages, packed = schedule.stages, packs(x)
+    first = (jnp.arange(stages) == 0).reshape(stages, 1, 1, 1, 1)
+    loop = _Loop(graphdef, np.asarray(table).reshape(stages, schedule.repeats, -1) >= 0,
+                 x.dtype, packed, run_layers, schedule, pins, ahead)
+    xs, segs, poss = (_microbatches(a, schedule.microbatches) for a in (x, segment_ids, positions))
+    io, aux_sum = loop.run(stage_params, xs, segs, poss)
+    y = stage_zero(stages, io) if packed else jnp.sum(jnp.where(first, io, 0), axis=0)
     return y.swapaxes(0, 1).reshape(x.shape), aux_sum
+
+
+class _Loop:
+    """The schedule's loop over iterations, with a backward of its own (custom VJP) that runs
+    each iteration's re-run of its slots one iteration ahead.
+
+    Iteration t, stage p works on virtual microbatch i = t - p (microbatch i mod M, pass i
+    div M); every stage's pass is one `vmap` over the stage dim. The forward saves each
+    iteration's stage inputs (as `pack` packs them) and nothing else. The backward walks the
+    iterations in reverse. With `ahead` (a block remat that re-runs each block whole,
+    model/block.RERUNS_WHOLE_BLOCK), backward iteration t runs each slot's vjp (its block's
+    re-run, then its gradient) from slot inputs it already has and, beside it, iteration
+    t - 1's slots but the last forward from that iteration's saved input, which gives the next
+    backward iteration its slot inputs. The two share no data, so XLA's scheduler can run one's
+    collectives (the MoE exchanges) under the other's compute, another microbatch's work
+    under each exchange; differentiating a rematerialised loop body instead re-runs iteration
+    t's slots and then differentiates them, one chain. The compute is the same (the slots but
+    the last run once more per iteration, metrics.flops.pipelined_reruns; plus one pass's
+    slots in the last backward iteration, whose result no iteration reads: 1 / (V M + P - 1)
+    of them), and one microbatch's slot inputs are carried from one iteration to the next.
+    Without `ahead` (remat none, save_received) a backward iteration runs one vjp of its
+    stage's whole pass from its saved input (the slots run forward once, their residuals kept
+    through the backward: what the block's policy saves).
+
+    The gradients of the stage params accumulate in the loop's carry, on a compute copy
+    constrained every iteration to its stage layout (`_gradient_specs`). The aux values'
+    cotangents: the summed keys' flow back; MAXED and ROOT_MEAN_SQUARE keys (dispatch_rounds,
+    activation_rms: metrics, in no loss) get none."""
+
+    def __init__(self, graphdef, mask: np.ndarray, dtype, packed: bool, run_layers,
+                 schedule: PipelineSchedule, pins: list | None, ahead: bool):
+        self.graphdef, self.mask, self.dtype = graphdef, mask, dtype  # mask [P, V, slots]
+        self.packed, self.run_layers, self.schedule, self.pins = packed, run_layers, schedule, pins
+        self.padded, self.slots = not mask.all(), mask.shape[-1]
+        self.ahead = self.slots - 1 if ahead else 0
+        stage_axes = mesh_axes("stage")
+        self.spmd = stage_axes[0] if len(stage_axes) == 1 else (stage_axes or None)
+        self.first = (jnp.arange(schedule.stages) == 0).reshape(schedule.stages, 1, 1, 1)
+        # the backward traces when the step's backward is built, after run_pipeline returned:
+        # it runs in the context (mesh, rules, within_stages, compute copy, replicas) of now
+        self.context = contextvars.copy_context()
+        self.spmd_names = jax_core.get_axis_env().spmd_axis_names
+        self.run = jax.custom_vjp(self._forward)
+        self.run.defvjp(self._fwd, self._bwd)
+
+    # -- one stage's work (vmapped over the stages) --------------------------------------
+
+    def _slots(self, stage_chunks, stage_mask, v, lo: int, hi: int):
+        """Slots lo..hi-1 of the stage's pass v: (params [hi-lo, ...], mask or None)."""
+        params = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False)[lo:hi],
+                              stage_chunks)
+        keep = jax.lax.dynamic_index_in_dim(stage_mask, v, 0, keepdims=False)[lo:hi]
+        return params, keep if self.padded else None
+
+    def _input(self, h):
+        return unpack(h, self.dtype) if self.packed else h
+
+    def _saved(self, h):
+        return pack(h, self.dtype) if self.packed else h
+
+    def _stage(self, stage_chunks, stage_mask, h, seg, pos, v):
+        """One stage's pass v over all its slots -> (h, aux [slots, ...])."""
+        params, keep = self._slots(stage_chunks, stage_mask, v, 0, self.slots)
+        return self.run_layers(self.graphdef, params, self._input(h), seg, pos, mask=keep)
+
+    def _ahead(self, stage_chunks, stage_mask, h, seg, pos, v):
+        """The inputs of the stage's slots 1 .. `ahead` [ahead, ...], as `_saved` keeps them."""
+        h, ins = self._input(h), []
+        for k in range(self.ahead):
+            params, keep = self._slots(stage_chunks, stage_mask, v, k, k + 1)
+            h = self.run_layers(self.graphdef, params, h, seg, pos, mask=keep)[0]
+            ins.append(self._saved(h))
+        return jnp.stack(ins)
+
+    def _stage_vjp(self, stage_chunks, stage_mask, h, ins, ct_h, ct_aux, seg, pos, v, acc):
+        """The stage's backward of pass v from its input h and slot inputs `ins`: -> (acc
+        with the params' cotangent added at pass v, the input's cotangent)."""
+        inputs = [self._input(h)] + [self._input(ins[k]) for k in range(self.ahead)]
+        segments = [(k, k + 1) for k in range(self.ahead)] + [(self.ahead, self.slots)]
+        cts = []
+        for k, (lo, hi) in reversed(list(enumerate(segments))):
+            params, keep = self._slots(stage_chunks, stage_mask, v, lo, hi)
+            floats, rest, tree = _split_floats(params)
+
+            def slot(floats, h, rest=rest, tree=tree, keep=keep):
+                h, aux = self.run_layers(self.graphdef, _join_floats(floats, rest, tree), h,
+                                         seg, pos, mask=keep)
+                # only the aux values with a cotangent are outputs: a zero cotangent passed
+                # in would still multiply each op's derivative (activation_rms' sqrt at 0,
+                # in an idle iteration: 0 x inf)
+                return h, {key: aux[key] for key in ct_aux}
+            (_, aux), vjp = jax.vjp(slot, floats, inputs[k])
+            ct_floats, ct_h = vjp((ct_h, {key: ct_aux[key][lo:hi].astype(a.dtype)
+                                          for key, a in aux.items()}))
+            cts.append(ct_floats)
+        ct_pass = [jnp.concatenate(parts[::-1]) for parts in zip(*cts, strict=True)]
+        acc = [jax.lax.dynamic_update_index_in_dim(
+            a, jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False) + c.astype(a.dtype), v, 0)
+            for a, c in zip(acc, ct_pass, strict=True)]
+        return acc, ct_h
+
+    def _vmapped(self, fn):
+        return jax.vmap(fn, spmd_axis_name=self.spmd)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def _at(self, t):
+        """Iteration t -> (valid [P], microbatch [P], pass [P]) of each stage."""
+        s, m = self.schedule, self.schedule.microbatches
+        i = t - jnp.arange(s.stages)
+        valid = (i >= 0) & (i < s.repeats * m)
+        clipped = jnp.clip(i, 0, s.repeats * m - 1)
+        return valid, clipped % m, clipped // m
+
+    def _loop(self, stage_params, xs, segs, poss):
+        s, m = self.schedule, self.schedule.microbatches
+        stages, repeats = s.stages, s.repeats
+        mask = jnp.asarray(self.mask)
+        all_stages = self._vmapped(self._stage)
+        # `io` [P, M, ...], each stage's slice on its own devices (reads at loop-varying rows
+        # stay local): stage 0's holds the microbatches (every stage holds xs), each row
+        # replaced by the microbatch's output of the last stage once stage 0 has read it.
+        # Then the ring buffer
+        io = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
+        buf = _ring(jnp.zeros((stages, *xs.shape[1:]), xs.dtype))
+        aux_sum = _aux_zeros(all_stages, stage_params, mask, self._saved(buf), segs, poss,
+                             repeats)
+
+        def iteration(carry, t):
+            buf, io, aux_sum = carry
+            valid, micro, v = self._at(t)
+            # stage 0 takes row t mod M: the microbatch itself on its first pass (t < M),
+            # else its output of the last stage's previous pass, written at iteration
+            # t - M + P - 1 (M >= P)
+            h_in = self._saved(jnp.where(
+                self.first, jax.lax.dynamic_index_in_dim(io, t % m, 1, keepdims=False), buf))
+            h, aux = all_stages(stage_params, mask, h_in, segs[micro], poss[micro], v)
+            weight = jax.nn.one_hot(v, repeats) * valid[:, None]  # [P, V]
+            aux_sum = {k: _aux_add(k, acc, weight, aux[k]) for k, acc in aux_sum.items()}
+            buf = _ring(jnp.roll(h, 1, axis=0))
+            # buf[0] now holds the last stage's output of virtual microbatch t - P + 1: stage
+            # 0 keeps it in io[0, its row mod M], read at iteration t - P + 1 (each stage
+            # writes its own slice alike, unused). Before iteration P - 1 that is row 0, read
+            # at t = 0 and written for real at P - 1, before stage 0 reads it again (t = M >= P)
+            io = jax.lax.dynamic_update_index_in_dim(io, buf, self._row(t), 1)
+            return (buf, io, aux_sum), h_in
+
+        (_, io, aux_sum), saved = jax.lax.scan(iteration, (buf, io, aux_sum),
+                                               jnp.arange(s.iterations))
+        return (io, aux_sum), saved
+
+    def _row(self, t):
+        return jnp.maximum(t - self.schedule.stages + 1, 0) % self.schedule.microbatches
+
+    def _forward(self, stage_params, xs, segs, poss):
+        return self._loop(stage_params, xs, segs, poss)[0]
+
+    def _fwd(self, stage_params, xs, segs, poss):
+        out, saved = self._loop(stage_params, xs, segs, poss)
+        return out, (stage_params, saved, segs, poss)
+
+    def _bwd(self, res, cts):
+        # and with the spmd axis names of the vmaps around the forward (replicas.on_replicas'):
+        # jax (0.10, 0.12) traces a custom VJP's batched backward without them, and a
+        # shard_map linearized there then gives its residuals specs over those axes, which
+        # the vmap refuses ("vmap spmd_axis_name cannot appear in shard_map out_specs")
+        missing = self.spmd_names - jax_core.get_axis_env().spmd_axis_names
+        with jax_core.add_spmd_axis_names(tuple(missing)):
+            return self.context.copy().run(self._backward, res, cts)
+
+    def _backward(self, res, cts):
+        stage_params, saved, segs, poss = res
+        ct_io, ct_aux_sum = cts
+        s, m = self.schedule, self.schedule.microbatches
+        mask = jnp.asarray(self.mask)
+        floats, rest, tree = _split_floats(stage_params)
+        summed = {k: c for k, c in ct_aux_sum.items() if k not in MAXED + ROOT_MEAN_SQUARE}
+
+        def pinned(acc):
+            if self.pins is None:
+                return acc
+            return [jax.lax.with_sharding_constraint(a, sp)
+                    for a, sp in zip(acc, self.pins, strict=True)]
+        all_vjp = self._vmapped(self._stage_vjp)
+        all_ahead = self._vmapped(self._ahead) if self.ahead else None
+
+        def ahead(t):
+            if all_ahead is None:
+                return jnp.zeros((s.stages, 0), saved.dtype)
+            _, micro, v = self._at(t)
+            return all_ahead(stage_params, mask, saved[t], segs[micro], poss[micro], v)
+
+        def iteration(carry, t):
+            ct_buf, ct_io, acc, ins = carry
+            row = self._row(t)  # the io update's transpose
+            ct_buf = ct_buf + jax.lax.dynamic_index_in_dim(ct_io, row, 1, keepdims=False)
+            ct_io = jax.lax.dynamic_update_index_in_dim(ct_io, jnp.zeros_like(ct_buf), row, 1)
+            ct_h = _ring(jnp.roll(ct_buf, -1, axis=0))
+            valid, micro, v = self._at(t)
+            weight = jax.nn.one_hot(v, s.repeats) * valid[:, None]
+            ct_aux = {k: jnp.einsum("pv,pv...->p...", weight, c) for k, c in summed.items()}
+            acc, ct_in = all_vjp(stage_params, mask, saved[t], ins, ct_h, ct_aux, segs[micro],
+                                 poss[micro], v, acc)
+            # the input's transpose: stage 0 read io's row t mod M, the others the ring
+            ct_row = jax.lax.dynamic_index_in_dim(ct_io, t % m, 1, keepdims=False)
+            ct_io = jax.lax.dynamic_update_index_in_dim(
+                ct_io, ct_row + jnp.where(self.first, ct_in, 0), t % m, 1)
+            ct_buf = _ring(jnp.where(self.first, jnp.zeros((), ct_in.dtype), ct_in))
+            return (ct_buf, ct_io, pinned(acc), ahead(jnp.maximum(t - 1, 0))), None
+
+        last = s.iterations - 1
+        zeros = pinned([jnp.zeros_like(a) for a in floats])
+        carry = (_ring(jnp.zeros((s.stages, *ct_io.shape[2:]), ct_io.dtype)), _per_stage(ct_io),
+                 zeros, ahead(last))
+        (_, ct_io, acc, _), _ = jax.lax.scan(iteration, carry, jnp.arange(s.iterations),
+                                             reverse=True)
+        ct_params = _join_floats(acc, [None if r is None else _float0(r) for r in rest], tree)
+        # only stage 0's slice of io carries a cotangent (the others' rows are never read):
+        # as stage_zero moves the output, exact and in the rows' own width
+        ct_xs = (stage_zero(s.stages, ct_io) if self.packed
+                 else jnp.sum(jnp.where(self.first[:, None], ct_io, 0), axis=0))
+        return ct_params, ct_xs, _float0(segs), _float0(poss)
+
+
+def _split_floats(tree):
+    """A tree of nnx Variables -> (the float arrays, the other arrays with None in the
+    floats' places, the treedef of the arrays)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    floats = [a for a in leaves if jnp.issubdtype(a.dtype, jnp.inexact)]
+    rest = [None if jnp.issubdtype(a.dtype, jnp.inexact) else a for a in leaves]
+    return floats, rest, treedef
+
+
+def _join_floats(floats, rest, treedef):
+    it = iter(floats)
+    return treedef.unflatten([next(it) if r is None else r for r in rest])
+
+
+def _float0(a):
+    return np.zeros(a.shape, jax.dtypes.float0)
+
+
+def _ring(a: jax.Array) -> jax.Array:
+    """[P, rows, S, D]: one microbatch's activation per stage, on the stage's devices."""
+    return shard(a, ("stage", "batch", "seq", "act_embed"))
 
 
 def _microbatches(a: jax.Array, m: int) -> jax.Array:

@@ -151,12 +151,15 @@ HOP1_FORWARD_AND_GRADIENTS = 4
 
 def hop1_reruns(remat: str, slots: int) -> tuple[float, float]:
     """(times the backward sends a MoE layer's hop-1 dispatch again, its combine again), per
-    layer of a pipeline stage of `slots` slots (0: not pipelined), as XLA:GPU compiles it:
-    unpipelined 1 and 0 under a remat policy (0 and 0 under none or save_received); pipelined,
-    the stage's re-run adds (S - 1) / S of each (the last slot's output is not needed), and the
-    block's own re-run 1 dispatch but under none or save_received, where the last slot's stage
-    re-run sends it instead (its received rows are needed): 1 + (S - 1) / S and (S - 1) / S
-    under full, 1 and (S - 1) / S else."""
+    layer of a pipeline stage of `slots` slots (0: not pipelined), as compiled
+    (tests/plan/test_gpu_pipeline_reruns.py, tests/parallel/test_two_level.py): unpipelined 1
+    and 0 under a remat policy (0 and 0 under none or save_received); pipelined, the slots but
+    the last run forward once more in the backward ((S - 1) / S of each: under full one
+    iteration ahead, parallel/pipeline._Loop; under none and save_received in the iteration's
+    one forward, whose last slot's combine output is not needed), and under full each block's
+    vjp re-runs its dispatch: 1 + (S - 1) / S and (S - 1) / S under full, 1 and (S - 1) / S
+    else. Left out: under full the last backward iteration's pass ahead, read by none (2 (S - 1)
+    row buffers a step)."""
     resend = float(remat not in ("none", "save_received"))
     if not slots:
         return resend, 0.0

@@ -20,14 +20,9 @@ from flax import nnx
 
 from maxmoe.model.block import run_layers
 from maxmoe.parallel import pipeline
-from maxmoe.parallel.pipeline import (
-    _aux_add,
-    _natural_aux,
-    _stage_slots,
-    run_pipeline,
-    slot_permutes,
-)
+from maxmoe.parallel.pipeline import _aux_add, _natural_aux, run_pipeline
 from maxmoe.parallel.schedule import PipelineSchedule
+from maxmoe.parallel.stage_weights import _stage_slots, slot_permutes
 from maxmoe.sharding import current_mesh, make_mesh, stack_source_spec, use_mesh
 from maxmoe.validation import validate
 from tests.helpers import small_config
@@ -224,6 +219,54 @@ def test_packed_stage_inputs_change_no_bit(monkeypatch, kind, repeats, layers):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32),
                                    rtol=0.05, atol=0.05)
+
+
+class _ToyAux(_Toy):
+    """_Toy with a summed aux value that the loss reads (as the MoE balance losses do) and a
+    metric (activation_rms, a sqrt: its derivative at a zero row is infinite)."""
+
+    def __call__(self, h, segment_ids, positions):
+        h, _ = super().__call__(h, segment_ids, positions)
+        return h, {"z_loss": jnp.mean(h ** 2),
+                   "activation_rms": jnp.sqrt(jnp.mean(jnp.square(h)))}
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+@pytest.mark.parametrize("kind, stages, repeats, micro, layers", [
+    ("gpipe", 2, 1, 4, 6),  # 3 slots a stage
+    ("circular", 2, 2, 4, 10),  # chunks 2, 2, 3, 3: padding slots
+    ("gpipe", 2, 1, 1, 4),  # M < P: stage 0 reads and writes io's one row in one iteration
+    ("circular", 4, 2, 4, 8)])  # 1 slot: nothing to run ahead
+def test_pipeline_backward_equals_the_unpipelined_gradient(kind, stages, repeats, micro, layers,
+                                                           ahead):
+    """The pipeline loop's own backward (`pipeline._Loop`: each iteration's slots re-run one
+    backward iteration ahead, or without `ahead` one vjp of the stage's pass) gives the
+    gradients of the unpipelined layer scan, for the params, the input and through an aux
+    value: float32, rtol 1e-5 and atol 1e-6 of the leaf's largest value (summation order
+    differs: microbatches; the reference: the same layers in one scan, autodiff)."""
+    stack = nnx.vmap(lambda r: _ToyAux(r), in_axes=0)(nnx.Rngs(0).fork(split=layers))
+    schedule = PipelineSchedule(kind, stages, repeats, micro)
+    x = jax.random.normal(jax.random.key(1), (8, 4, 8))
+    ids = jnp.zeros((8, 4), jnp.int32)
+    run = functools.partial(run_layers, remat="full")
+
+    def loss(state, x, piped=True):
+        model = nnx.merge(nnx.graphdef(stack), state)
+        if piped:
+            y, aux = run_pipeline(model, x, ids, ids, run_layers=run, schedule=schedule,
+                                  ahead=ahead)
+        else:
+            y, aux = run(*nnx.split(model), x, ids, ids)
+        return jnp.sum(y ** 2) + 3.0 * jnp.sum(aux["z_loss"])
+
+    state = nnx.state(stack)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
+    want = jax.jit(jax.value_and_grad(functools.partial(loss, piped=False), argnums=(0, 1)))(
+        state, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5,
+                                   atol=1e-6 * np.abs(np.asarray(b)).max())
 
 
 @pytest.mark.slow
