@@ -65,6 +65,8 @@ from maxmoe.sharding import (
     within_stages,
 )
 
+# the named scope of the backward's re-run of a pass ahead (_Loop)
+AHEAD_SCOPE = "rerun_ahead"
 # aux values summed over microbatches (then averaged, expert_load kept a sum), or maxed
 # (row_groups.MAXED: dispatch_rounds, the rounds the worst microbatch needed), or squared,
 # summed and rooted (row_groups.ROOT_MEAN_SQUARE: activation_rms), as row groups and gradient
@@ -135,7 +137,13 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     loop = _Loop(graphdef, np.asarray(table).reshape(stages, schedule.repeats, -1) >= 0,
                  x.dtype, packed, run_layers, schedule, pins, ahead)
     xs, segs, poss = (_microbatches(a, schedule.microbatches) for a in (x, segment_ids, positions))
-    io, aux_sum = loop.run(stage_params, xs, segs, poss)
+    # `io` [P, M, ...], each stage's slice on its own devices (reads at loop-varying rows stay
+    # local): stage 0's holds the microbatches (every stage holds xs), each row replaced by the
+    # microbatch's output of the last stage once stage 0 has read it. Its gradient (stage 0's
+    # slice; the others' rows are never read) leaves the loop per stage, so the broadcast's
+    # transpose sums it over the stages as the split over them wants (a reduce-scatter)
+    io = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
+    io, aux_sum = loop.run(stage_params, io, segs, poss)
     y = stage_zero(stages, io) if packed else jnp.sum(jnp.where(first, io, 0), axis=0)
     return y.swapaxes(0, 1).reshape(x.shape), aux_sum
 
@@ -252,17 +260,12 @@ class _Loop:
         clipped = jnp.clip(i, 0, s.repeats * m - 1)
         return valid, clipped % m, clipped // m
 
-    def _loop(self, stage_params, xs, segs, poss):
+    def _loop(self, stage_params, io, segs, poss):
         s, m = self.schedule, self.schedule.microbatches
         stages, repeats = s.stages, s.repeats
         mask = jnp.asarray(self.mask)
         all_stages = self._vmapped(self._stage)
-        # `io` [P, M, ...], each stage's slice on its own devices (reads at loop-varying rows
-        # stay local): stage 0's holds the microbatches (every stage holds xs), each row
-        # replaced by the microbatch's output of the last stage once stage 0 has read it.
-        # Then the ring buffer
-        io = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
-        buf = _ring(jnp.zeros((stages, *xs.shape[1:]), xs.dtype))
+        buf = _ring(jnp.zeros((stages, *io.shape[2:]), io.dtype))  # the ring buffer
         aux_sum = _aux_zeros(all_stages, stage_params, mask, self._saved(buf), segs, poss,
                              repeats)
 
@@ -292,11 +295,11 @@ class _Loop:
     def _row(self, t):
         return jnp.maximum(t - self.schedule.stages + 1, 0) % self.schedule.microbatches
 
-    def _forward(self, stage_params, xs, segs, poss):
-        return self._loop(stage_params, xs, segs, poss)[0]
+    def _forward(self, stage_params, io, segs, poss):
+        return self._loop(stage_params, io, segs, poss)[0]
 
-    def _fwd(self, stage_params, xs, segs, poss):
-        out, saved = self._loop(stage_params, xs, segs, poss)
+    def _fwd(self, stage_params, io, segs, poss):
+        out, saved = self._loop(stage_params, io, segs, poss)
         return out, (stage_params, saved, segs, poss)
 
     def _bwd(self, res, cts):
@@ -328,7 +331,8 @@ class _Loop:
             if all_ahead is None:
                 return jnp.zeros((s.stages, 0), saved.dtype)
             _, micro, v = self._at(t)
-            return all_ahead(stage_params, mask, saved[t], segs[micro], poss[micro], v)
+            with jax.named_scope(AHEAD_SCOPE):  # plan/sites.py labels its collectives
+                return all_ahead(stage_params, mask, saved[t], segs[micro], poss[micro], v)
 
         def iteration(carry, t):
             ct_buf, ct_io, acc, ins = carry
@@ -355,11 +359,7 @@ class _Loop:
         (_, ct_io, acc, _), _ = jax.lax.scan(iteration, carry, jnp.arange(s.iterations),
                                              reverse=True)
         ct_params = _join_floats(acc, [None if r is None else _float0(r) for r in rest], tree)
-        # only stage 0's slice of io carries a cotangent (the others' rows are never read):
-        # as stage_zero moves the output, exact and in the rows' own width
-        ct_xs = (stage_zero(s.stages, ct_io) if self.packed
-                 else jnp.sum(jnp.where(self.first[:, None], ct_io, 0), axis=0))
-        return ct_params, ct_xs, _float0(segs), _float0(poss)
+        return ct_params, ct_io, _float0(segs), _float0(poss)
 
 
 def _split_floats(tree):

@@ -10,7 +10,9 @@ maxmoe/parallel: "moe", "lm_head", "attention", "embed", ...), refined for the M
   (two_level's exchange across hosts), "rounds" inside it (all_to_all's exchange, two_level's
   hop 2 inside the host), "expert" for other MoE collectives;
 - the pass: "recompute" for the rematerialised forward of a checkpointed layer (jax's
-  "rematted_computation" scope), "bwd" under a transpose (the backward), else "fwd";
+  "rematted_computation" scope), "ahead" for the pipeline backward's re-run of a stage's
+  slots one iteration ahead (parallel/pipeline.AHEAD_SCOPE), "bwd" under a transpose (the
+  backward), else "fwd";
 - "pipeline permute" for a collective-permute with no model scope (parallel/pipeline.py moves
   the stage outputs), "(no op_name)" where XLA kept none.
 XLA keeps no op_name on the async ragged all-to-alls; plan/overlap.py gives them that of the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import re
 
 from maxmoe.parallel.all_to_all import ROUNDS_SCOPE
+from maxmoe.parallel.pipeline import AHEAD_SCOPE
 
 # a scope under transforms, e.g. "transpose(jvp(combine))" or "vmap(router)": the scope
 _WRAPPED = re.compile(r"^(?:[a-z_]+\()+([a-z_]+)\)+$")
@@ -45,6 +48,7 @@ def site(kind: str, op_name: str) -> str:
         return "(no op_name)"
     scopes = _scopes(op_name)
     phase = ("recompute" if "rematted_computation" in op_name
+             else "ahead" if AHEAD_SCOPE in op_name.split("/")
              else "bwd" if "transpose(" in op_name else "fwd")
     named = [s for s in scopes if s in _SCOPES]
     exchange = next((s for s in reversed(named) if s in ("dispatch", "combine")), None)

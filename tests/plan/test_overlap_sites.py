@@ -29,6 +29,8 @@ RECOMPUTE = ("jit(train_step)/transpose(jvp(vmap()))/vmap(vmap())/checkpoint/"
              "rematted_computation/moe/shard_map/dispatch/jit(_where)/select_n")
 HOP2_BWD = ("jit(train_step)/transpose(jvp(vmap()))/checkpoint/moe/shard_map/exchange_rounds/"
             "transpose(jvp(combine))/convert_element_type")
+AHEAD = ("jit(train_step)/while/body/rerun_ahead/vmap()/moe/shard_map/combine/"
+         "ragged_all_to_all")
 HEAD = "jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/lm_head/bcd,bcv->dv/dot_general"
 
 
@@ -38,6 +40,7 @@ HEAD = "jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/lm_head/bcd,bcv->
     ("ragged-all-to-all", HOP2, "moe dispatch rounds fwd"),
     ("ragged-all-to-all", RECOMPUTE, "moe dispatch hop1 recompute"),
     ("ragged-all-to-all", HOP2_BWD, "moe combine rounds bwd"),
+    ("ragged-all-to-all", AHEAD, "moe combine hop1 ahead"),
     ("all-reduce", HEAD, "lm head bwd"),
     ("collective-permute", "jit(train_step)/while/body/ppermute", "pipeline permute fwd"),
     ("all-gather", "", "(no op_name)"),
