@@ -118,13 +118,14 @@ def recompute_factor(cfg: Config, stages: int) -> float:
 
 def pipelined_reruns(remat: str, slots: int) -> float:
     """Forwards the backward runs again per layer of a pipeline stage of `slots` slots. Under
-    a block remat that re-runs blocks whole (model/block.RERUNS_WHOLE_BLOCK) the pipeline's
-    backward runs each iteration's slots but the last forward one iteration ahead, to give the
-    next its slot inputs (parallel/pipeline._Loop), and each block's vjp re-runs the block:
-    1 + (S - 1) / S, on every compiler (plus one unread pass a step, 1 / (V M + P - 1) of
-    them: left out). Without block remat a backward iteration runs its pass forward once and
-    keeps every slot's residuals; save_received is counted at 2 (an upper bound: the vjp's
-    forward runs the block up to the hop-1 dispatch, whose received rows it keeps)."""
+    remat full (model/block.RERUNS_WHOLE_BLOCK) the pipeline's backward runs each iteration's
+    slots but the last forward one iteration ahead, to give the next its slot inputs
+    (parallel/pipeline._Loop), and each block's vjp re-runs the block: 1 + (S - 1) / S, on
+    every compiler (plus one unread pass a step, 1 / (V M + P - 1) of them: left out). Under a
+    policy that saves tensors (dots, save_named, offload_named) a backward iteration runs its
+    pass forward once, saving them, and each block re-runs the rest: counted as full (an upper
+    bound). Without block remat the pass's one forward keeps every slot's residuals;
+    save_received is counted at 2 (an upper bound: the forward keeps what hop 1 received)."""
     if remat == "none":
         return 1.0
     if remat == "save_received":

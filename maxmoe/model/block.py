@@ -43,12 +43,13 @@ REMAT_POLICIES = {  # model.remat_policy -> jax.checkpoint policy ("none" = no j
     # what the stage's re-run received (prerank.hop1_reruns)
     "save_received": jax.checkpoint_policies.save_only_these_names("moe_received"),
 }
-# the policies whose backward re-runs a block's forward whole from its input (the MoE exchanges
-# included): a pipeline stage then runs its slots' re-run one backward iteration ahead, beside
-# another microbatch's backward (parallel/pipeline.py); under none and save_received a stage's
-# backward runs its slots' forward once, in the same iteration (ahead, the slots but the last
-# would run twice)
-RERUNS_WHOLE_BLOCK = ("full", "dots", "save_named", "offload_named")
+# the policy whose backward keeps nothing of a block's forward and re-runs it whole from its
+# input (the MoE exchanges included): a pipeline stage then runs its slots' re-run one backward
+# iteration ahead, beside another microbatch's vjp (parallel/pipeline._Loop). The others keep
+# a stage's backward to one forward of its slots, in its iteration: under a policy that saves
+# tensors the vjp's own forward must run to save them, so a re-run ahead would be one forward
+# more of the slots but the last
+RERUNS_WHOLE_BLOCK = ("full",)
 
 
 class Block(nnx.Module):

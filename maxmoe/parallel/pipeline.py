@@ -155,7 +155,7 @@ class _Loop:
     Iteration t, stage p works on virtual microbatch i = t - p (microbatch i mod M, pass i
     div M); every stage's pass is one `vmap` over the stage dim. The forward saves each
     iteration's stage inputs (as `pack` packs them) and nothing else. The backward walks the
-    iterations in reverse. With `ahead` (a block remat that re-runs each block whole,
+    iterations in reverse. With `ahead` (remat full: each block's vjp re-runs it whole,
     model/block.RERUNS_WHOLE_BLOCK), backward iteration t runs each slot's vjp (its block's
     re-run, then its gradient) from slot inputs it already has and, beside it, iteration
     t - 1's slots but the last forward from that iteration's saved input, which gives the next
@@ -166,9 +166,9 @@ class _Loop:
     the last run once more per iteration, metrics.flops.pipelined_reruns; plus one pass's
     slots in the last backward iteration, whose result no iteration reads: 1 / (V M + P - 1)
     of them), and one microbatch's slot inputs are carried from one iteration to the next.
-    Without `ahead` (remat none, save_received) a backward iteration runs one vjp of its
-    stage's whole pass from its saved input (the slots run forward once, their residuals kept
-    through the backward: what the block's policy saves).
+    Without `ahead` (the other policies) a backward iteration runs one vjp of its stage's
+    whole pass from its saved input (the slots run forward once, keeping what the block's
+    policy saves through the backward).
 
     The gradients of the stage params accumulate in the loop's carry, on a compute copy
     constrained every iteration to its stage layout (`_gradient_specs`). The aux values'

@@ -155,11 +155,11 @@ def hop1_reruns(remat: str, slots: int) -> tuple[float, float]:
     (tests/plan/test_gpu_pipeline_reruns.py, tests/parallel/test_two_level.py): unpipelined 1
     and 0 under a remat policy (0 and 0 under none or save_received); pipelined, the slots but
     the last run forward once more in the backward ((S - 1) / S of each: under full one
-    iteration ahead, parallel/pipeline._Loop; under none and save_received in the iteration's
-    one forward, whose last slot's combine output is not needed), and under full each block's
-    vjp re-runs its dispatch: 1 + (S - 1) / S and (S - 1) / S under full, 1 and (S - 1) / S
-    else. Left out: under full the last backward iteration's pass ahead, read by none (2 (S - 1)
-    row buffers a step)."""
+    iteration ahead, parallel/pipeline._Loop; else in the iteration's one forward, whose last
+    slot's combine output is not needed), and each block's re-run re-sends its dispatch but
+    under none and save_received: 1 + (S - 1) / S and (S - 1) / S then, 1 and (S - 1) / S
+    under those two. Left out: under full the last backward iteration's pass ahead, read by
+    none (2 (S - 1) row buffers a step)."""
     resend = float(remat not in ("none", "save_received"))
     if not slots:
         return resend, 0.0
