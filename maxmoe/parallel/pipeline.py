@@ -260,7 +260,9 @@ class _Loop:
         clipped = jnp.clip(i, 0, s.repeats * m - 1)
         return valid, clipped % m, clipped // m
 
-    def _loop(self, stage_params, io, segs, poss):
+    def _loop(self, stage_params, io, segs, poss, save: bool):
+        """The forward: -> ((io, aux_sum), each iteration's stage inputs as `_saved` keeps
+        them [T, P, ...] where `save`, else None)."""
         s, m = self.schedule, self.schedule.microbatches
         stages, repeats = s.stages, s.repeats
         mask = jnp.asarray(self.mask)
@@ -286,7 +288,7 @@ class _Loop:
             # writes its own slice alike, unused). Before iteration P - 1 that is row 0, read
             # at t = 0 and written for real at P - 1, before stage 0 reads it again (t = M >= P)
             io = jax.lax.dynamic_update_index_in_dim(io, buf, self._row(t), 1)
-            return (buf, io, aux_sum), h_in
+            return (buf, io, aux_sum), h_in if save else None
 
         (_, io, aux_sum), saved = jax.lax.scan(iteration, (buf, io, aux_sum),
                                                jnp.arange(s.iterations))
@@ -296,10 +298,10 @@ class _Loop:
         return jnp.maximum(t - self.schedule.stages + 1, 0) % self.schedule.microbatches
 
     def _forward(self, stage_params, io, segs, poss):
-        return self._loop(stage_params, io, segs, poss)[0]
+        return self._loop(stage_params, io, segs, poss, save=False)[0]
 
     def _fwd(self, stage_params, io, segs, poss):
-        out, saved = self._loop(stage_params, io, segs, poss)
+        out, saved = self._loop(stage_params, io, segs, poss, save=True)
         return out, (stage_params, saved, segs, poss)
 
     def _bwd(self, res, cts):
