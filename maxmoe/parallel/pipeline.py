@@ -133,7 +133,6 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     [P, V, slots, ...] of `stage_params`. Returns (y [B, S, D], aux summed per stage and pass
     [P, V, slots, ...])."""
     stages, packed = schedule.stages, packs(x)
-    first = (jnp.arange(stages) == 0).reshape(stages, 1, 1, 1, 1)
     loop = _Loop(graphdef, np.asarray(table).reshape(stages, schedule.repeats, -1) >= 0,
                  x.dtype, packed, run_layers, schedule, pins, ahead)
     xs, segs, poss = (_microbatches(a, schedule.microbatches) for a in (x, segment_ids, positions))
@@ -144,7 +143,8 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     # transpose sums it over the stages as the split over them wants (a reduce-scatter)
     io = _per_stage(jnp.broadcast_to(xs, (stages, *xs.shape)))
     io, aux_sum = loop.run(stage_params, io, segs, poss)
-    y = stage_zero(stages, io) if packed else jnp.sum(jnp.where(first, io, 0), axis=0)
+    y = stage_zero(stages, io) if packed else jnp.sum(jnp.where(loop.first[:, None], io, 0),
+                                                       axis=0)
     return y.swapaxes(0, 1).reshape(x.shape), aux_sum
 
 
