@@ -120,7 +120,7 @@ def pipelined_reruns(remat: str, slots: int) -> float:
     """Forwards the backward runs again per layer of a pipeline stage of `slots` slots. Under
     remat full (model/block.RERUNS_WHOLE_BLOCK) the pipeline's backward runs each iteration's
     slots but the last forward one iteration ahead, to give the next its slot inputs
-    (parallel/pipeline._Loop), and each block's vjp re-runs the block: 1 + (S - 1) / S, on
+    (parallel/pipeline_loop.Loop), and each block's vjp re-runs the block: 1 + (S - 1) / S, on
     every compiler (plus one unread pass a step, 1 / (V M + P - 1) of them: left out). Under a
     policy that saves tensors (dots, save_named, offload_named) a backward iteration runs its
     pass forward once, saving them, and each block re-runs the rest: counted as full (an upper

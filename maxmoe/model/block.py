@@ -45,7 +45,7 @@ REMAT_POLICIES = {  # model.remat_policy -> jax.checkpoint policy ("none" = no j
 }
 # the policy whose backward keeps nothing of a block's forward and re-runs it whole from its
 # input (the MoE exchanges included): a pipeline stage then runs its slots' re-run one backward
-# iteration ahead, beside another microbatch's vjp (parallel/pipeline._Loop). The others keep
+# iteration ahead, beside another microbatch's vjp (parallel/pipeline_loop.Loop). The others keep
 # a stage's backward to one forward of its slots, in its iteration: under a policy that saves
 # tensors the vjp's own forward must run to save them, so a re-run ahead would be one forward
 # more of the slots but the last
@@ -112,7 +112,7 @@ def run_layers(graphdef, state, x, segment_ids, positions, *, remat: str, mask=N
                unroll: bool = False):
     """Applies stacked layers (state leaves [L, ...]) in order with lax.scan, or a Python loop
     over them (`unroll`: a pipeline stage's few slots, whole or some of them: the pipeline's
-    backward runs them one at a time, parallel/pipeline._Loop).
+    backward runs them one at a time, parallel/pipeline_loop.Loop).
     mask [L] bool (the pipeline's padding slots, parallel/pipeline.py): a False layer passes
     x through."""
     def layer(h, layer_state):

@@ -155,7 +155,7 @@ def hop1_reruns(remat: str, slots: int) -> tuple[float, float]:
     (tests/plan/test_gpu_pipeline_reruns.py, tests/parallel/test_two_level.py): unpipelined 1
     and 0 under a remat policy (0 and 0 under none or save_received); pipelined, the slots but
     the last run forward once more in the backward ((S - 1) / S of each: under full one
-    iteration ahead, parallel/pipeline._Loop; else in the iteration's one forward, whose last
+    iteration ahead, parallel/pipeline_loop.Loop; else in the iteration's one forward, whose last
     slot's combine output is not needed), and each block's re-run re-sends its dispatch but
     under none and save_received: 1 + (S - 1) / S and (S - 1) / S then, 1 and (S - 1) / S
     under those two. Left out: under full the last backward iteration's pass ahead, read by

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 
 from maxmoe.parallel.all_to_all import ROUNDS_SCOPE
-from maxmoe.parallel.pipeline import AHEAD_SCOPE
+from maxmoe.parallel.pipeline_loop import AHEAD_SCOPE
 
 # a scope under transforms, e.g. "transpose(jvp(combine))" or "vmap(router)": the scope
 _WRAPPED = re.compile(r"^(?:[a-z_]+\()+([a-z_]+)\)+$")

@@ -20,7 +20,8 @@ from flax import nnx
 
 from maxmoe.model.block import run_layers
 from maxmoe.parallel import pipeline
-from maxmoe.parallel.pipeline import _aux_add, _natural_aux, run_pipeline
+from maxmoe.parallel.pipeline import _natural_aux, run_pipeline
+from maxmoe.parallel.pipeline_loop import _aux_add
 from maxmoe.parallel.schedule import PipelineSchedule
 from maxmoe.parallel.stage_weights import _stage_slots, slot_permutes
 from maxmoe.sharding import current_mesh, make_mesh, stack_source_spec, use_mesh
@@ -239,7 +240,7 @@ class _ToyAux(_Toy):
     ("circular", 4, 2, 4, 8)])  # 1 slot: nothing to run ahead
 def test_pipeline_backward_equals_the_unpipelined_gradient(kind, stages, repeats, micro, layers,
                                                            ahead):
-    """The pipeline loop's own backward (`pipeline._Loop`: each iteration's slots re-run one
+    """The pipeline loop's own backward (`pipeline_loop.Loop`: each iteration's slots re-run one
     backward iteration ahead, or without `ahead` one vjp of the stage's pass) gives the
     gradients of the unpipelined layer scan, for the params, the input and through an aux
     value: float32, rtol 1e-5 and atol 1e-6 of the leaf's largest value (summation order

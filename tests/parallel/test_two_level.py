@@ -263,7 +263,7 @@ def test_pipelined_hop_one_row_buffers_on_xla_cpu(remat, layers, rows_per_iterat
     """prerank.hop1_reruns under a pipeline (pipeline 2 x expert 4 over 2 hosts, gpipe, 2
     microbatches: 3 iterations), compiled by XLA:CPU, as XLA:GPU compiles it
     (tests/plan/test_gpu_pipeline_reruns.py): under remat full a stage's backward re-runs its
-    slots but the last one iteration ahead (parallel/pipeline._Loop: dispatch and combine) and
+    slots but the last one iteration ahead (parallel/pipeline_loop.Loop: dispatch and combine) and
     each block's vjp re-runs its dispatch, so at 2 slots a stage (4 MoE layers) sends 12 hop-1
     row buffers per iteration, and the last backward iteration's re-run ahead, read by none,
     2 more a step; under none and save_received a stage's backward runs its slots' forward

@@ -2,7 +2,7 @@
 group): the hop-1 row buffers two_level sends across hosts per pipeline iteration are exactly
 prerank.hop1_reruns' count, which metrics.flops.pipelined_reruns prices the compute by. Under
 remat full a stage's backward re-runs its slots but the last one iteration ahead
-(parallel/pipeline._Loop), and each block's vjp re-runs the block's forward: at 2 slots the
+(parallel/pipeline_loop.Loop), and each block's vjp re-runs the block's forward: at 2 slots the
 dispatch 1.5 times more per layer, and the combine 0.5; the last backward iteration runs one
 such pass no iteration reads (2 row buffers more a step). Under none a stage's backward runs its
 slots' forward once. Small model (tests/helpers SMALL, 5 layers of which 4 MoE, hidden 512),
