@@ -71,10 +71,11 @@ VOCAB_TABLE_COPIES = 8
 # zero1 / hsdp: the compute copy and its float32 sums are counted apart (copy_elements); what
 # remains are the embedding gather's and the LM head's float32 gradients inside the loop
 ZERO1_VOCAB_TABLE_COPIES = 2
-# a pipelined run keeps its stage inputs, [iterations, B/M, S, D], twice over at its peak
-# (the 671B recipe's XLA:GPU compile: two 13.07 GiB buffers of 239 iterations' inputs,
-# docs/performance/planning.md, "The search's pre-ranker")
-PIPELINE_INPUT_COPIES = 2
+# a pipelined run keeps its stage inputs, [iterations, B/M, S, D], once: the loop's own
+# backward (parallel/pipeline_loop.Loop) reads the forward's buffer (the 671B recipe's XLA:GPU
+# compile: one 13.07 GiB buffer of 239 iterations' inputs; two under jax's autodiff of the
+# loop: docs/performance/planning.md, "The search's pre-ranker")
+PIPELINE_INPUT_COPIES = 1
 UPDATE_COPIES = 2  # of the largest parameter leaf: gradient accumulation over the layer scan
 
 
