@@ -21,10 +21,10 @@ Each iteration's stage pass is rematerialised (per-iteration remat): the loop ke
 stage inputs for its backward, one microbatch's [B/M, S, D] per iteration (bf16 ones as
 float32 words of their bytes, `stage_words.pack`), and recomputes the pass, so the weights
 each stage picked are not kept per iteration (docs/performance/parallelism.md, "Pipeline
-memory at scale"). The loop's backward is its own (parallel/pipeline_loop.Loop, a custom VJP): under a block
-remat it re-runs each iteration's slots one backward iteration ahead, beside another
-microbatch's backward, so each one's MoE exchanges can run under the other's compute
-(docs/performance/gpu.md, "The re-run ahead").
+memory at scale"). The loop's backward is its own (parallel/pipeline_loop.Loop, a custom
+VJP): under a block remat it re-runs each iteration's slots one backward iteration ahead,
+beside another microbatch's backward, so each one's MoE exchanges can run under the other's
+compute (docs/performance/gpu.md, "The re-run ahead").
 
 Outside the pipeline the stage axes split the batch like data (config.DEFAULT_RULES): the
 embedding, dense layers, LM head, loss and MTP run once per row, each stage on its 1/P of the
@@ -120,7 +120,7 @@ def _run_schedule(graphdef, stage_params, table, x, segment_ids, positions, *, r
     [P, V, slots, ...])."""
     stages, packed = schedule.stages, packs(x)
     loop = Loop(graphdef, np.asarray(table).reshape(stages, schedule.repeats, -1) >= 0,
-                 x.dtype, packed, run_layers, schedule, pins, ahead)
+                x.dtype, packed, run_layers, schedule, pins, ahead)
     xs, segs, poss = (_microbatches(a, schedule.microbatches) for a in (x, segment_ids, positions))
     # `io` [P, M, ...], each stage's slice on its own devices (reads at loop-varying rows stay
     # local): stage 0's holds the microbatches (every stage holds xs), each row replaced by the

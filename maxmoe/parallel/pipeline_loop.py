@@ -1,7 +1,7 @@
-"""The pipeline schedule's loop over iterations (parallel/pipeline.py runs it), with a backward of
-its own (a custom VJP) that re-runs each iteration's slots one backward iteration ahead, and the
-per-iteration bookkeeping it shares with the forward: the ring of activations between stages,
-each stage's io buffer, the MoE aux values summed per stage and pass.
+"""The pipeline schedule's loop over iterations (parallel/pipeline.py builds and runs it), with a
+backward of its own (a custom VJP) that re-runs each iteration's slots one backward iteration
+ahead, and the per-iteration bookkeeping forward and backward share: the ring of activations
+between stages, each stage's io buffer, the MoE aux values summed per stage and pass.
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ class Loop:
     policy saves through the backward).
 
     The gradients of the stage params accumulate in the loop's carry, on a compute copy
-    constrained every iteration to its stage layout (`_gradient_specs`). The aux values'
-    cotangents: the summed keys' flow back; MAXED and ROOT_MEAN_SQUARE keys (dispatch_rounds,
-    activation_rms: metrics, in no loss) get none."""
+    constrained every iteration to its stage layout (`pins`: pipeline._gradient_specs). The aux
+    values' cotangents: the summed keys' flow back; MAXED and ROOT_MEAN_SQUARE keys
+    (dispatch_rounds, activation_rms: metrics, in no loss) get none."""
 
     def __init__(self, graphdef, mask: np.ndarray, dtype, packed: bool, run_layers,
                  schedule: PipelineSchedule, pins: list | None, ahead: bool):
