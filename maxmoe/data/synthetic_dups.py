@@ -14,7 +14,7 @@ tokenizer, so "true" means what the MinHash estimates).
   unrelated documents share their common words as real text does.
 
 `score` turns the MinHash stages' cluster ids into recall per true-Jaccard bin and false-positive
-rates, the figures issue 42 asks for (docs/pending/dedupq.md).
+rates, the figures issue 42 asks for (docs/performance/data.md, "Measured quality").
 """
 
 from __future__ import annotations

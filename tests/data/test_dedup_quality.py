@@ -3,7 +3,8 @@
 Reference: the generated corpus's ground truth (maxmoe.data.synthetic_dups), with Jaccard measured
 exactly on the same shingles. Bounds are issue 42's: recall of planted near-duplicates >= 0.98 and
 <= 1% false positives among hard negatives (pairs sharing boilerplate at Jaccard 0.3-0.7).
-The full-size figures, per Jaccard bin, are in docs/pending/dedupq.md (tools/dedup_figures.py quality).
+The full-size figures, per Jaccard bin, are in docs/performance/data.md, "Measured quality"
+(tools/dedup_figures.py quality).
 """
 
 import hashlib

@@ -3,8 +3,9 @@ async start/done pairs, and with two token chunks XLA:GPU schedules expert GEMMs
 ragged all-to-all's start and done (one chunk's exchange under the other's experts). With one
 chunk tiny's schedule has none, so the check fails on the old layout: the forward's dispatch ->
 GEMM -> combine is one chain (the backward's recompute leaves a little independent work, which
-larger shapes' schedules use: docs/pending/chunks.md). Without the latency-hiding scheduler (train/step.XLA_GPU_OPTIONS emptied) XLA:GPU makes
-ragged all-to-alls synchronous. The `gpu_aot` group; tiny on 16 deviceless H100s in 2 hosts
+larger shapes' schedules use: docs/performance/gpu.md, "`moe.overlap_chunks`: two token chunks
+per MoE layer"). Without the latency-hiding scheduler (train/step.XLA_GPU_OPTIONS emptied)
+XLA:GPU makes ragged all-to-alls synchronous. The `gpu_aot` group; tiny on 16 deviceless H100s in 2 hosts
 (data 2 x fsdp 2 x expert 4, the expert axis across the hosts), all_to_all in one round (no
 rounds loop: a collective inside a while overlaps nothing outside it), bf16.
 """
