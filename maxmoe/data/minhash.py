@@ -10,8 +10,9 @@ an S-curve whose midpoint is about (1/b) ** (1/r). There is no verification step
 buckets, so P(s) is both the recall at s and the false-positive rate at s.
 
 Why these values (measured on maxmoe/data/synthetic_dups.py's corpus; figures in
-docs/performance/data.md, "Near-duplicate detection"): planted near-duplicates edit 1-5% of words, hard negatives share
-boilerplate at Jaccard 0.3-0.7, and the targets are recall >= 0.98 and <= 1% false positives.
+docs/performance/data.md, "Near-duplicate detection"): planted near-duplicates edit 1-5% of
+words, hard negatives share boilerplate at Jaccard 0.3-0.7, and the targets are recall >= 0.98
+and <= 1% false positives.
 Editing a fraction p of words keeps about (1-p)**n of the n-gram shingles, so Jaccard is
 q / (2 - q) with q = (1-p)**n: at p = 5% that is 0.63 for 5-grams (FineWeb's choice), 0.75 for
 3-grams, 0.82 for 2-grams and 0.90 for single words. No S-curve of a few hundred hashes
