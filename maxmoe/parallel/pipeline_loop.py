@@ -188,10 +188,8 @@ class Loop:
         return out, (stage_params, saved, segs, poss)
 
     def _bwd(self, res, cts):
-        # and with the spmd axis names of the vmaps around the forward (replicas.on_replicas'):
-        # jax (0.10, 0.12) traces a custom VJP's batched backward without them, and a
-        # shard_map linearized there then gives its residuals specs over those axes, which
-        # the vmap refuses ("vmap spmd_axis_name cannot appear in shard_map out_specs")
+        # in the forward's context, with the spmd axis names of the vmaps around it
+        # (replicas.on_replicas'), which jax drops here (parallel/vmap_axes.py says why)
         with with_spmd_axis_names(self.spmd_names):
             return self.context.copy().run(self._backward, res, cts)
 
