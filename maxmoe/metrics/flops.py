@@ -116,6 +116,22 @@ def recompute_factor(cfg: Config, stages: int) -> float:
     return 1 + (remat + extra / flops_per_token(cfg)) / 3
 
 
+def pipelined_share(cfg: Config, stages: int) -> float:
+    """The share of the FLOPs a step runs (recompute_factor's, re-runs included) that the
+    layers pipelined on `stages` stages take: the compute beside which the pipeline's bubble
+    idles. The embedding, a dense prefix run on every stage, the LM head, loss and MTP run
+    outside the pipeline, every stage busy. 0 where no group is pipelined. A share of FLOPs,
+    standing in for the share of compute time (the kernel classes' efficiencies differ a
+    little between the two parts)."""
+    m = cfg.model
+    schedule = pipeline_schedule(m, stages)
+    layer = attention_flops_per_token(cfg) / (m.num_layers + m.mtp_depth)  # + 6 x params
+    piped = sum(n * (6 * block_active_params(cfg, is_moe) + layer)
+                * (1 + pipelined_reruns(m.remat_policy, schedule.slots(n)) / 3)
+                for is_moe, _, n in layer_groups(m) if schedule.pipelines(n))
+    return piped / (flops_per_token(cfg) * recompute_factor(cfg, stages))
+
+
 def pipelined_reruns(remat: str, slots: int) -> float:
     """Forwards the backward runs again per layer of a pipeline stage of `slots` slots. Under
     remat full (model/block.RERUNS_WHOLE_BLOCK) the pipeline's backward runs each iteration's

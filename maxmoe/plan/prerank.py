@@ -18,7 +18,12 @@ import numpy as np
 
 from maxmoe.cluster import Cluster, gpu_target
 from maxmoe.config import MESH_AXES, Config
-from maxmoe.metrics.flops import flops_by_kernel, flops_per_token, recompute_factor
+from maxmoe.metrics.flops import (
+    flops_by_kernel,
+    flops_per_token,
+    pipelined_share,
+    recompute_factor,
+)
 from maxmoe.model.spec import layer_groups, pipeline_idle
 from maxmoe.parallel.capacity import capacity_for
 from maxmoe.parallel.dispatch import choose_transport
@@ -383,6 +388,7 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
                           recompute=recompute_factor(layout.apply(cfg), layout.sizes["pipeline"]))
     step = step_time(flops_per_token(cfg) * tokens, cluster.devices, cluster,
                      comm_bytes(cfg, layout, state), bubble, efficiency=price.efficiency,
-                     peak=price.peak)
+                     peak=price.peak,
+                     pipelined=pipelined_share(layout.apply(cfg), layout.sizes["pipeline"]))
     return Estimate(layout, state.total, temporaries, peak, step.step_s,
                     peak <= cluster.usable_bytes)

@@ -38,7 +38,12 @@ from maxmoe.cluster import Cluster
 from maxmoe.config import ConfigError
 from maxmoe.config_files import load_config
 from maxmoe.kernels.tokamax_ops import kernel_device
-from maxmoe.metrics.flops import flops_by_kernel, fp8_params_per_token, recompute_factor
+from maxmoe.metrics.flops import (
+    flops_by_kernel,
+    fp8_params_per_token,
+    pipelined_share,
+    recompute_factor,
+)
 from maxmoe.model.spec import pipeline_idle
 from maxmoe.plan import gpu_aot
 from maxmoe.plan.collectives import collective_bytes
@@ -299,6 +304,7 @@ def compiled_figures(setup: RunSetup, compiled, devices_per_host: int,
             a: mesh[f"dcn_{a}"] for a in sizes}),
         "tokens_per_step": setup.tokens_per_step,
         "bubble": pipeline_idle(cfg.model, sizes["pipeline"]),  # with chunk padding
+        "pipelined_share": pipelined_share(cfg, sizes["pipeline"]),  # of the compute
     }
 
 

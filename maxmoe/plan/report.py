@@ -78,7 +78,8 @@ def plan_figures(measured: dict, cluster: Cluster, *, tokens: float | None = Non
     overlap = measured.get("overlap")  # read from XLA:GPU's schedule (overlap.py), if compiled so
     step = step_time(flops, devices, cluster, priced, measured["bubble"],
                      efficiency=price.efficiency, peak=peak,
-                     exposed_comm_s=overlap["exposed_communication_s"] if overlap else None)
+                     exposed_comm_s=overlap["exposed_communication_s"] if overlap else None,
+                     pipelined=measured["pipelined_share"])
     speed = throughput(step, measured["tokens_per_step"], flops, devices, peak)
     bill = cost(step.step_s, measured["tokens_per_step"], devices, cluster, tokens=tokens,
                 steps=None if tokens else steps)

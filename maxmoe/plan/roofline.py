@@ -234,7 +234,7 @@ def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
               collective_bytes: Mapping[str, Mapping[str, Mapping[str, float]]],
               idle_fraction: float, *, efficiency: float = FALLBACK_EFFICIENCY,
               overlap: float = COMM_OVERLAP, peak: float | None = None,
-              exposed_comm_s: float | None = None) -> StepTime:
+              exposed_comm_s: float | None = None, pipelined: float = 1.0) -> StepTime:
     """Roofline step time of `devices` devices of `cluster` for a step of
     `model_flops_per_step` FLOPs (all devices together): compute at `efficiency` x `peak`
     (default the dense bf16 peak; price_compute gives both, per kernel class); each link class's
@@ -242,19 +242,21 @@ def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
     under compute. `idle_fraction` f is the share of the pipelined step a stage idles
     (model.spec.pipeline_idle: (P-1) / (V M + P-1) with padding): busy for the compute, idle
     for f of the total, so the bubble adds f / (1 - f) x compute (P = M = 16: 0.94x, not the
-    0.48x that f x compute gave). `exposed_comm_s`, where given (read from XLA:GPU's compiled
+    0.48x that f x compute gave), of the `pipelined` share of the compute alone
+    (metrics.flops.pipelined_share: what runs outside the pipeline idles no stage). `exposed_comm_s`, where given (read from XLA:GPU's compiled
     schedule, plan/overlap.py), is the exposed communication instead of `overlap`'s."""
     if devices < 1 or not 0 < efficiency <= 1 or not 0 <= overlap <= 1 \
-            or not 0 <= idle_fraction < 1:
+            or not 0 <= idle_fraction < 1 or not 0 <= pipelined <= 1:
         raise ValueError(f"step_time: devices={devices}, efficiency={efficiency}, "
-                         f"overlap={overlap}, idle_fraction={idle_fraction} out of range")
+                         f"overlap={overlap}, idle_fraction={idle_fraction}, "
+                         f"pipelined={pipelined} out of range")
     peak = cluster.peak_bf16_flops if peak is None else peak
     compute = model_flops_per_step / (devices * peak * efficiency)
     sent = link_bytes(collective_bytes)
     ici, dcn = sent["ici"] / cluster.ici_bandwidth, sent["dcn"] / cluster.dcn_bandwidth
     exposed = (ici + dcn) - min(overlap * (ici + dcn), compute) if exposed_comm_s is None \
         else exposed_comm_s
-    bubble = idle_fraction / (1 - idle_fraction) * compute
+    bubble = idle_fraction / (1 - idle_fraction) * compute * pipelined
     return StepTime(compute_s=compute, ici_s=ici, dcn_s=dcn, exposed_comm_s=exposed,
                     bubble_s=bubble, step_s=compute + exposed + bubble)
 

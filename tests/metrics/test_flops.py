@@ -10,6 +10,7 @@ from maxmoe.metrics.flops import (
     block_active_params,
     flops_per_token,
     pipelined_reruns,
+    pipelined_share,
     recompute_factor,
 )
 from tests.helpers import small_config
@@ -80,3 +81,20 @@ def test_recompute_factor_counts_each_forward_run_again():
     assert factor(2, "model.remat_policy=none") == pytest.approx(1 + share / 3)
     assert factor(2, "model.remat_policy=full") == pytest.approx(1 + (1 + share / 2) / 3)
     assert factor(2, "model.remat_policy=full", "model.num_layers=3") == pytest.approx(4 / 3)
+
+
+def test_pipelined_share_is_the_pipelined_layers_part_of_the_run_flops():
+    """pipelined_share: the pipelined MoE layers' FLOPs (each forward re-run adding 1/3) over
+    the step's (recompute_factor's): tests/helpers SMALL, 5 layers (1 dense, 4 MoE pipelined
+    on 2 stages, 2 slots), s their share of the model FLOPs. Remat none: the stage's pass
+    re-run once, s (1 + 1/3) over 1 + s/3; full: s (1 + 1.5/3) over 1 + (1 + s/2)/3 (the dense
+    layer and LM head re-run once, the MoE layers 1.5 times). 0 on one stage."""
+    def share(stages, *overrides):
+        cfg, _ = small_config("model.num_layers=5", *overrides)
+        return pipelined_share(cfg, stages)
+    cfg, _ = small_config("model.num_layers=5")
+    moe = 4 * (6 * block_active_params(cfg, True) + attention_flops_per_token(cfg) / 5)
+    s = moe / flops_per_token(cfg)
+    assert share(1) == 0.0
+    assert share(2, "model.remat_policy=none") == pytest.approx(s * 4 / 3 / (1 + s / 3))
+    assert share(2, "model.remat_policy=full") == pytest.approx(s * 1.5 / (1 + (1 + s / 2) / 3))

@@ -84,6 +84,20 @@ def test_bubble_is_the_idle_share_of_the_whole_step():
         step_time(6.4e13, 16, TOY, {}, 1.0)
 
 
+def test_the_bubble_idles_beside_the_pipelined_compute_alone():
+    """What runs outside the pipeline (embedding, dense prefix, LM head, MTP:
+    metrics.flops.pipelined_share is the rest) idles no stage: the bubble is f / (1 - f) of the
+    pipelined share of the compute, the rest of the step is unchanged."""
+    idle = 15 / 31
+    whole = step_time(6.4e13, 16, TOY, {}, idle, efficiency=0.5)
+    part = step_time(6.4e13, 16, TOY, {}, idle, efficiency=0.5, pipelined=0.9)
+    assert part.bubble_s == pytest.approx(0.9 * 15 / 16 * part.compute_s)
+    assert part.compute_s == whole.compute_s
+    assert whole.step_s - part.step_s == pytest.approx(0.1 * whole.bubble_s)
+    with pytest.raises(ValueError, match="pipelined"):
+        step_time(6.4e13, 16, TOY, {}, idle, pipelined=1.5)
+
+
 def test_throughput_and_mfu_definitions():
     step_s, tokens, flops, devices, peak = 4.0, 1_000_000, 3.2e13, 16, 1e12
     out = throughput(step_s, tokens, flops, devices, peak)
