@@ -75,9 +75,10 @@ def test_the_671b_recipe_estimate_is_near_its_compile_and_pipelined_zero1_ranks_
     the recipe's own layout is estimated within RECIPE_ESTIMATE_FACTOR of its compiled peak,
     and the fastest pipelined layout estimated to fit is a zero1 one, not a zero3 layout that
     would gather each stage's weights at all 239 pipeline iterations, and --search compiles it.
-    (Since the recipe's 4 token chunks an unpipelined zero3 layout ranks first among the
-    fitting ones, at an estimated 73 s: the recipe's own layout is estimated at 69 GiB, so
-    not fitting, and 43.5 s, against 60.0 GiB and 25.6 s compiled. The pre-ranker is coarse,
+    (Since the bubble is priced beside the pipelined share of the compute alone, pipelined
+    zero1 layouts with tensor 2 rank first among the fitting ones, at an estimated 57 s, an
+    unpipelined zero3 one next at 73 s: the recipe's own layout is estimated at 69 GiB, so
+    not fitting, and 43.2 s, against 60.0 GiB and 25.3 s compiled. The pre-ranker is coarse,
     which is why --search compiles the best of each family.)"""
     cfg, origins = load_config(["configs/models/deepseek_v3_671b.yaml",
                                 "configs/experiments/deepseek_v3_2048xh800.yaml"], [])
