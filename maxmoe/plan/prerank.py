@@ -381,14 +381,14 @@ def estimate(cfg: Config, layout: Layout, cluster: Cluster, state) -> Estimate:
     peak = state.total + batch + temporaries
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     bubble = pipeline_idle(cfg.model, layout.sizes["pipeline"])  # with chunk padding
+    applied, stages = layout.apply(cfg), layout.sizes["pipeline"]
     price = price_compute({k: f * tokens for k, f in flops_by_kernel(
                               cfg, routed_in_fp8=not dequantised_routed(cfg, cluster)).items()},
                           cluster.devices, cluster,
                           imbalance=DEFAULT_LOAD_IMBALANCE if layout.sizes["expert"] > 1 else 1.0,
-                          recompute=recompute_factor(layout.apply(cfg), layout.sizes["pipeline"]))
+                          recompute=recompute_factor(applied, stages))
     step = step_time(flops_per_token(cfg) * tokens, cluster.devices, cluster,
                      comm_bytes(cfg, layout, state), bubble, efficiency=price.efficiency,
-                     peak=price.peak,
-                     pipelined=pipelined_share(layout.apply(cfg), layout.sizes["pipeline"]))
+                     peak=price.peak, pipelined=pipelined_share(applied, stages))
     return Estimate(layout, state.total, temporaries, peak, step.step_s,
                     peak <= cluster.usable_bytes)

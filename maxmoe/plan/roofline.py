@@ -243,8 +243,9 @@ def step_time(model_flops_per_step: float, devices: int, cluster: Cluster,
     (model.spec.pipeline_idle: (P-1) / (V M + P-1) with padding): busy for the compute, idle
     for f of the total, so the bubble adds f / (1 - f) x compute (P = M = 16: 0.94x, not the
     0.48x that f x compute gave), of the `pipelined` share of the compute alone
-    (metrics.flops.pipelined_share: what runs outside the pipeline idles no stage). `exposed_comm_s`, where given (read from XLA:GPU's compiled
-    schedule, plan/overlap.py), is the exposed communication instead of `overlap`'s."""
+    (metrics.flops.pipelined_share: what runs outside the pipeline idles no stage).
+    `exposed_comm_s`, where given (read from XLA:GPU's compiled schedule, plan/overlap.py), is
+    the exposed communication instead of `overlap`'s."""
     if devices < 1 or not 0 < efficiency <= 1 or not 0 <= overlap <= 1 \
             or not 0 <= idle_fraction < 1 or not 0 <= pipelined <= 1:
         raise ValueError(f"step_time: devices={devices}, efficiency={efficiency}, "
