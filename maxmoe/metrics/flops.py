@@ -100,19 +100,25 @@ def mtp_active_params_per_token(cfg: Config) -> int:
 FLOP_CONVENTION = "6 x active params + causal attention (half of S^2; MaxText/Megatron)"
 
 
+def _pipelined_groups(cfg: Config, stages: int) -> list[tuple[float, float]]:
+    """(model FLOPs a token costs in the group's layers, forwards each is run again:
+    `pipelined_reruns`) of each layer group a pipeline of `stages` stages runs."""
+    m = cfg.model
+    schedule = pipeline_schedule(m, stages)
+    layer = attention_flops_per_token(cfg) / (m.num_layers + m.mtp_depth)  # + 6 x params
+    return [(n * (6 * block_active_params(cfg, is_moe) + layer),
+             pipelined_reruns(m.remat_policy, schedule.slots(n)))
+            for is_moe, _, n in layer_groups(m) if schedule.pipelines(n)]
+
+
 def recompute_factor(cfg: Config, stages: int) -> float:
     """FLOPs a step runs over its model FLOPs (FLOP_CONVENTION counts one forward, 2 of 6):
     1 + 1/3 for each forward run again, each layer weighted by its share of the FLOPs a token
     costs. model.remat_policy other than none re-runs a block's forward once in the backward
     (an upper bound for the policies that save some tensors). A layer a pipeline of `stages`
     stages runs is `pipelined_reruns` times."""
-    m = cfg.model
-    schedule = pipeline_schedule(m, stages)
-    remat = float(m.remat_policy != "none")
-    layer = attention_flops_per_token(cfg) / (m.num_layers + m.mtp_depth)  # + 6 x params
-    extra = sum(n * (6 * block_active_params(cfg, is_moe) + layer)
-                * (pipelined_reruns(m.remat_policy, schedule.slots(n)) - remat)
-                for is_moe, _, n in layer_groups(m) if schedule.pipelines(n))
+    remat = float(cfg.model.remat_policy != "none")
+    extra = sum(f * (reruns - remat) for f, reruns in _pipelined_groups(cfg, stages))
     return 1 + (remat + extra / flops_per_token(cfg)) / 3
 
 
@@ -123,12 +129,7 @@ def pipelined_share(cfg: Config, stages: int) -> float:
     outside the pipeline, every stage busy. 0 where no group is pipelined. A share of FLOPs,
     standing in for the share of compute time (the kernel classes' efficiencies differ a
     little between the two parts)."""
-    m = cfg.model
-    schedule = pipeline_schedule(m, stages)
-    layer = attention_flops_per_token(cfg) / (m.num_layers + m.mtp_depth)  # + 6 x params
-    piped = sum(n * (6 * block_active_params(cfg, is_moe) + layer)
-                * (1 + pipelined_reruns(m.remat_policy, schedule.slots(n)) / 3)
-                for is_moe, _, n in layer_groups(m) if schedule.pipelines(n))
+    piped = sum(f * (1 + reruns / 3) for f, reruns in _pipelined_groups(cfg, stages))
     return piped / (flops_per_token(cfg) * recompute_factor(cfg, stages))
 
 
